@@ -1,0 +1,77 @@
+"""Pick the fastest MLX path on this machine, before mlx.core is first imported.
+
+On Linux the `mlx[cpu]` wheel links a slow reference BLAS. Loading Debian's
+OpenBLAS (libopenblas0-pthread) with RTLD_GLOBAL before mlx.core is imported
+makes its sgemm win symbol resolution: fp32 matmuls run ~50x faster (SPEC.md
+section 4). fp32 is therefore the compute dtype on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+
+
+@dataclass(frozen=True)
+class Backend:
+    device: str  # "gpu" or "cpu"
+    blas: str  # path of the preloaded BLAS, "" when none
+    note: str  # one line for start-up logs
+
+    @property
+    def compute_dtype(self) -> str:
+        # bf16 and quantized matmuls are slow on CPU, and MoE gather_mm on CPU
+        # supports float32 only: compute in fp32 there.
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+
+def _preload_openblas() -> str:
+    if sys.platform != "linux" or os.environ.get("MTP_SERVE_NO_OPENBLAS") == "1":
+        return ""
+    paths = [os.environ["MTP_SERVE_OPENBLAS"]] if os.environ.get("MTP_SERVE_OPENBLAS") else []
+    for path in paths + list(OPENBLAS_CANDIDATES):
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return path
+            except OSError:
+                continue
+    return ""
+
+
+_BACKEND: Backend | None = None
+
+
+def setup_backend() -> Backend:
+    """Idempotent; must run before the first `import mlx.core` to take effect."""
+    global _BACKEND
+    if _BACKEND is not None:
+        return _BACKEND
+    mlx_already_loaded = "mlx.core" in sys.modules
+    blas = "" if mlx_already_loaded else _preload_openblas()
+    import mlx.core as mx
+
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    if device == "gpu":
+        note = "MLX GPU backend, bf16 compute"
+    elif blas:
+        note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas}"
+    elif mlx_already_loaded:
+        note = "MLX CPU backend, fp32 compute, reference BLAS (mlx.core was imported before mtp_serve: OpenBLAS not preloaded)"
+    else:
+        note = (
+            "MLX CPU backend, fp32 compute, reference BLAS (slow: install Debian's "
+            "libopenblas0-pthread or set MTP_SERVE_OPENBLAS)"
+        )
+    _BACKEND = Backend(device=device, blas=blas, note=note)
+    return _BACKEND
