@@ -1,0 +1,94 @@
+"""One generator for both paths: prompt tokens in, committed tokens and stats out.
+
+    for chunk in generate(model, tokenizer, prompt_ids, params, depth=2): ...
+
+`depth=0` (or a model without an MTP head) decodes plainly; otherwise each
+step is one MTP round that commits 1..depth+1 tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import mlx.core as mx
+
+from mtp_serve.models.mtp_model import MTPModel
+
+from .sampling import SamplingParams
+from .sequence import Sequence, new_sequence
+from .speculative import Emitted, mtp_round, plain_step, prefill
+from .stats import DecodeStats
+from .stopping import StopChecker
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: List[tuple] = field(default_factory=list)  # [(token, logprob)], best first
+
+
+@dataclass
+class GenerationChunk:
+    token_ids: List[int]
+    text: str
+    finish_reason: Optional[str]
+    stats: DecodeStats
+    logprobs: Optional[List[TokenLogprob]] = None
+
+
+def token_logprobs(tokens: List[int], rows: mx.array, top_n: int) -> List[TokenLogprob]:
+    """Log-probabilities of the emitted tokens under the target distribution."""
+    rows = rows[: len(tokens)]
+    chosen = rows[mx.arange(len(tokens)), mx.array(tokens)]
+    if top_n > 0:
+        top_idx = mx.argsort(-rows, axis=-1)[:, :top_n]
+        top_val = mx.take_along_axis(rows, top_idx, axis=-1)
+        mx.eval(chosen, top_idx, top_val)
+        tops = [list(zip(i, v)) for i, v in zip(top_idx.tolist(), top_val.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen.tolist(), tops)]
+
+
+def decode_step(model: MTPModel, seq: Sequence) -> Emitted:
+    return mtp_round(model, seq) if seq.uses_mtp else plain_step(model, seq)
+
+
+def run_sequence(model: MTPModel, tokenizer, seq: Sequence, cached_tokens: int = 0) -> Iterator[GenerationChunk]:
+    """Drive `seq` to completion (prefill from `cached_tokens`), yielding committed tokens."""
+    stops = StopChecker(tokenizer, seq.params)
+    stats = seq.stats
+    stats.cached_tokens = cached_tokens
+    t0 = time.perf_counter()
+    step = lambda: prefill(model, seq, start=cached_tokens)  # noqa: E731
+    first = True
+    while True:
+        tokens, lp_rows = step()
+        if first:
+            stats.prefill_s = time.perf_counter() - t0
+            t0, first, step = time.perf_counter(), False, (lambda: decode_step(model, seq))
+        kept, text = stops.feed(tokens)
+        seq.output += kept
+        seq.history.add(kept)
+        stats.generated_tokens += len(kept)
+        stats.decode_s = time.perf_counter() - t0
+        logprobs = None
+        if seq.params.logprobs is not None and kept:
+            logprobs = token_logprobs(kept, lp_rows, seq.params.logprobs)
+        yield GenerationChunk(kept, text, stops.finish_reason, stats, logprobs)
+        if stops.finish_reason:
+            return
+
+
+def generate(
+    model: MTPModel,
+    tokenizer,
+    prompt: List[int],
+    params: SamplingParams,
+    depth: int = 0,
+) -> Iterator[GenerationChunk]:
+    seq = new_sequence(model, prompt, params, depth)
+    return run_sequence(model, tokenizer, seq)

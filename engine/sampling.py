@@ -1,0 +1,144 @@
+"""The sampling pipeline, shared by plain decoding, drafting and verification.
+
+Exactness of speculative sampling needs the draft distribution q and the
+target distribution p to come from the same pipeline the plain sampler uses:
+penalties (with the drafted prefix counted in the history), temperature,
+top-k, top-p, min-p. The filters are mlx-lm's own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: int = 256
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+class Rng:
+    """A per-request stream of PRNG keys: a fixed seed gives a reproducible run."""
+
+    def __init__(self, seed: Optional[int]):
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+
+    def next(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+
+@dataclass
+class TokenHistory:
+    """What the penalties look at: prompt tokens seen, and counts of generated tokens."""
+
+    vocab_size: int
+    prompt_seen: Optional[mx.array] = None  # [V] float 0/1
+    output_counts: Optional[mx.array] = None  # [V] float
+    _pending: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls, vocab_size: int, prompt: Sequence[int]) -> "TokenHistory":
+        seen = mx.zeros((vocab_size,), mx.float32)
+        if len(prompt):
+            seen[mx.array(list(prompt))] = 1.0
+        return cls(vocab_size, seen, mx.zeros((vocab_size,), mx.float32))
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) and self.output_counts is not None:
+            self.output_counts = self.output_counts.at[mx.array(list(tokens))].add(1.0)
+
+
+def apply_penalties(logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array]) -> mx.array:
+    """logits [T, V]; `appended` [A] are drafted tokens not yet in `history`.
+
+    The rows are the last T positions: row i counts appended[:A-T+1+i] as
+    generated (a verify of [x, d1..dK] has T=K+1, A=K; the draft of d_{j+1}
+    has T=1, A=j).
+    """
+    counts = history.output_counts[None]
+    if appended is not None and appended.size:
+        T, A = logits.shape[0], appended.shape[0]
+        onehot = (appended[:, None] == mx.arange(history.vocab_size)[None]).astype(mx.float32)
+        prefix = mx.concatenate([mx.zeros((1, history.vocab_size)), mx.cumsum(onehot, axis=0)], axis=0)
+        counts = counts + prefix[A + 1 - T :]
+    if params.repetition_penalty != 1.0:
+        seen = (counts > 0) | (history.prompt_seen[None] > 0)
+        penalized = mx.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = mx.where(seen, penalized, logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0)
+    return logits
+
+
+def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Temperature, then top-k, top-p, min-p; returns normalized log-probabilities [T, V]."""
+    logprobs = (logits / params.temperature) if params.temperature > 0 else logits
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    vocab = logprobs.shape[-1]
+    if 0 < params.top_k < vocab:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    if params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+def target_logprobs(
+    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None
+) -> mx.array:
+    """The full pipeline over logits [T, V] (fp32): what the sampler draws from."""
+    logits = logits.astype(mx.float32)
+    if params.has_penalties:
+        logits = apply_penalties(logits, params, history, appended)
+    return filtered_logprobs(logits, params)
+
+
+def choose(logprobs: mx.array, params: SamplingParams, rng: Rng) -> mx.array:
+    """One token per row: argmax when greedy, else a draw from the distribution."""
+    if params.greedy:
+        return mx.argmax(logprobs, axis=-1)
+    return mx.random.categorical(logprobs, key=rng.next())

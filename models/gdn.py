@@ -1,0 +1,177 @@
+"""GatedDeltaNet forward with per-position state capture and a fast prefill.
+
+mlx-lm's GatedDeltaNet (Qwen3.5 and Qwen3-Next variants) is reused for its
+parameters and projections; only the forward is replaced (by swapping the
+instance's class after the model is built, so weights and names stay
+mlx-lm's). The forward does the same operations as mlx-lm's, in the same
+order, so plain decoding stays bit-identical to mlx-lm, and adds:
+
+* capture: when the cache is a capturing `SpeculativeGDNCache`, the recurrence
+  steps token by token and records the state after every position and the
+  whole conv input, so a verify can be rolled back to any accepted length;
+* chunked prefill: on backends without the Metal kernel, long inputs go
+  through the chunked gated delta rule instead of a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.gated_delta import (
+    _gated_delta_step_ops,
+    compute_g,
+    gated_delta_update,
+    normalize_qk,
+)
+
+from .caches import SpeculativeGDNCache
+
+# Inputs at least this long take the chunked path where no Metal kernel runs.
+CHUNKED_PREFILL_MIN_TOKENS = 64
+
+
+def _chunked_rule():
+    try:
+        from .gated_delta_chunked import gated_delta_chunked
+    except ImportError:  # pragma: no cover - present once the chunked rule lands
+        return None
+    return gated_delta_chunked
+
+
+def _metal_kernel_available(k: mx.array) -> bool:
+    return (
+        mx.default_device() == mx.gpu
+        and mx.metal.is_available()
+        and k.shape[-1] >= 32
+        and k.shape[-1] % 32 == 0
+    )
+
+
+def gated_delta_steps(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    mask: Optional[mx.array],
+) -> Tuple[mx.array, mx.array]:
+    """Per-token recurrence that also returns the state after each position.
+
+    Uses mlx-lm's own step op, so each position is computed exactly as a
+    one-token decode step computes it. Returns y [B,T,Hv,Dv], states [B,T,Hv,Dv,Dk].
+    """
+    Hk, Hv = q.shape[-2], v.shape[-2]
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, -2)
+        k = mx.repeat(k, Hv // Hk, -2)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state = _gated_delta_step_ops(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
+            None if mask is None else mask[:, t],
+        )
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), mx.stack(states, axis=1)
+
+
+class CapturingGatedDeltaNetMixin:
+    """Forward shared by both GatedDeltaNet variants; subclasses give `project`."""
+
+    def project(self, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        raise NotImplementedError
+
+    def __call__(
+        self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None
+    ) -> mx.array:
+        B, S, _ = inputs.shape
+        qkv, z, b, a = self.project(inputs)
+
+        if cache is not None and cache[0] is not None:
+            conv_state = cache[0]
+        else:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        if cache is not None:
+            n_keep = self.conv_kernel_size - 1
+            if cache.lengths is not None:
+                ends = mx.clip(cache.lengths, 0, S)
+                positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+                cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+            else:
+                cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        conv_out = nn.silu(self.conv1d(conv_input))
+
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        state = cache[1] if cache else None
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+
+        if isinstance(cache, SpeculativeGDNCache) and cache.capturing:
+            if state is None:
+                state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+            g = compute_g(self.A_log, a, self.dt_bias)
+            out, states = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
+            cache.record(conv_input, states)
+            state = states[:, -1]
+        else:
+            chunked = _chunked_rule()
+            if chunked is not None and S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
+                g = compute_g(self.A_log, a, self.dt_bias)
+                out, state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
+            else:
+                out, state = gated_delta_update(
+                    q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
+                    use_kernel=not self.training,
+                )
+
+        if cache is not None:
+            cache[1] = state
+            cache.advance(S)
+
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class Qwen35GatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_5.GatedDeltaNet):
+    def project(self, x):
+        B, S, _ = x.shape
+        z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class Qwen3NextGatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_next.Qwen3NextGatedDeltaNet):
+    def project(self, x):
+        B, S, _ = x.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+
+
+_REPLACEMENTS = {
+    qwen3_5.GatedDeltaNet: Qwen35GatedDeltaNet,
+    qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextGatedDeltaNet,
+}
+
+
+def install_capturing_gdn(layers) -> int:
+    """Swap every GatedDeltaNet in `layers` to the capturing forward; returns the count."""
+    n = 0
+    for layer in layers:
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is not None and type(gdn) in _REPLACEMENTS:
+            gdn.__class__ = _REPLACEMENTS[type(gdn)]
+            n += 1
+    return n

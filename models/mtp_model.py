@@ -1,0 +1,71 @@
+"""A backbone from mlx-lm plus its MTP head, as the engine sees them.
+
+`forward` runs the backbone and returns both the logits and the hidden the
+head consumes (post- or pre-final-norm, per the model card); `draft` runs the
+head. Nothing here knows about rounds, sampling or requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import KVCache
+
+from .caches import SpeculativeGDNCache
+from .model_card import ModelCard
+from .mtp_head import MTPHead
+
+
+class MTPModel:
+    def __init__(self, model: nn.Module, text: nn.Module, head: Optional[MTPHead], card: ModelCard, model_type: str):
+        self.model = model  # the mlx-lm Model (what mlx-lm's generate_step accepts)
+        self.text = text  # the module holding `.model` (embed, layers, norm) and the LM head
+        self.head = head
+        self.card = card
+        self.model_type = model_type
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.text.model
+
+    @property
+    def layers(self) -> list:
+        return self.inner.layers
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.head is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.embed_tokens.weight.shape[0]
+
+    def make_cache(self) -> List[Any]:
+        return [SpeculativeGDNCache() if l.is_linear else KVCache() for l in self.layers]
+
+    def make_head_cache(self) -> KVCache:
+        return KVCache()
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self.text.args.tie_word_embeddings:
+            return self.inner.embed_tokens.as_linear(h)
+        return self.text.lm_head(h)
+
+    def forward(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
+        """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V])."""
+        inner = self.inner
+        h = inner.embed_tokens(tokens)
+        fa_mask = create_attention_mask(h, cache[inner.fa_idx])
+        ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+        post = inner.norm(h)
+        return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
+
+    def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
+        """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
+        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache)
+        return out, self.lm_head(out)

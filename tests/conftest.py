@@ -1,0 +1,38 @@
+import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
+
+import pytest
+
+from mtp_serve.models.synthetic import write_synthetic_checkpoint
+
+
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Factory: a synthetic HF-layout checkpoint per (family, options), written once per session."""
+    made = {}
+
+    def make(family: str = "qwen3_5", **options):
+        key = (family, tuple(sorted(options.items())))
+        if key not in made:
+            name = family + "".join(f"-{k}={v}" for k, v in sorted(options.items()))
+            made[key] = write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / name, family, **options)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint_dir):
+    """Factory: a loaded synthetic model, cached per (family, options)."""
+    from mtp_serve.models.loader import load_model
+
+    cache = {}
+
+    def load(family: str = "qwen3_5", **options):
+        key = (family, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = load_model(str(checkpoint_dir(family, **options)))
+        return cache[key]
+
+    return load

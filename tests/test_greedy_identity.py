@@ -1,0 +1,78 @@
+"""Greedy MTP output is token-identical to mlx-lm's own plain greedy decoding.
+
+The reference is stock mlx-lm: `mlx_lm.load` on the same checkpoint (which
+drops mtp.*) and `mlx_lm.generate.generate_step`, both in fp32. Tie rule: a
+T=K+1 verify and a T=1 step use different matmul shapes, so logits can differ
+in the last bits. A divergence is tolerated only if, at the first differing
+token, the reference's top-two logits are within 1e-4 of each other (a
+near-tie); anything else fails.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+
+from mtp_serve.engine.generator import generate
+from mtp_serve.engine.sampling import SamplingParams
+
+from mtp_serve.models.synthetic import FAMILIES
+
+NEAR_TIE = 1e-4
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 130, 3)), [200] * 5 + [201, 202]]
+N_TOKENS = 64
+
+
+def reference_greedy(path, prompt, n):
+    model, _ = mlx_lm_load(str(path))
+    model.update(tree_map(lambda x: x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x, model.parameters()))
+    tokens, gaps = [], []
+    for (tok, logprobs), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
+        top2 = mx.sort(logprobs)[-2:]
+        tokens.append(int(tok))
+        gaps.append(float(top2[1] - top2[0]))
+    return tokens, gaps
+
+
+def mtp_greedy(lm, prompt, depth, n=N_TOKENS):
+    out, stats = [], None
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True), depth=depth):
+        out += chunk.token_ids
+        stats = chunk.stats
+    return out, stats
+
+
+def assert_identical_or_near_tie(ours, ref, gaps, label):
+    assert len(ours) == len(ref), label
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE, f"{label}: token {i} differs ({a} vs {b}) and the reference gap {gaps[i]:.3g} is no near-tie"
+            return
+
+
+_ref_cache = {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_random_head(family, checkpoint_dir, loaded):
+    lm = loaded(family)
+    for pi, prompt in enumerate(PROMPTS):
+        ref, gaps = reference_greedy(checkpoint_dir(family), prompt, N_TOKENS)
+        for depth in (0, 1, 2, 3):
+            ours, _ = mtp_greedy(lm, prompt, depth)
+            assert_identical_or_near_tie(ours, ref, gaps, f"{family} prompt {pi} depth {depth}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_greedy_identity_agreeable_head_runs_accept_and_reject(family, checkpoint_dir, loaded):
+    """A head that often agrees with the backbone: both accept and reject paths run."""
+    lm = loaded(family, agreeable=True)
+    for pi, prompt in enumerate(PROMPTS[:2]):
+        ref, gaps = reference_greedy(checkpoint_dir(family, agreeable=True), prompt, N_TOKENS)
+        for depth in (1, 2, 3):
+            ours, stats = mtp_greedy(lm, prompt, depth)
+            assert_identical_or_near_tie(ours, ref, gaps, f"{family} agreeable prompt {pi} depth {depth}")
+            rate = stats.acceptance_rate
+            assert 0.2 <= rate <= 0.95, f"acceptance {rate:.2f} outside [0.2, 0.95]: not both paths exercised"
+            assert stats.tokens_per_pass > 1.0
