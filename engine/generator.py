@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from mtp_serve.models.mtp_model import MTPModel
 
+from .prompt_cache import PromptCache, take_snapshot
 from .sampling import SamplingParams
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, mtp_round, plain_step, prefill
@@ -57,19 +58,24 @@ def decode_step(model: MTPModel, seq: Sequence) -> Emitted:
     return mtp_round(model, seq) if seq.uses_mtp else plain_step(model, seq)
 
 
-def run_sequence(model: MTPModel, tokenizer, seq: Sequence, cached_tokens: int = 0) -> Iterator[GenerationChunk]:
-    """Drive `seq` to completion (prefill from `cached_tokens`), yielding committed tokens."""
+def run_sequence(model: MTPModel, tokenizer, seq: Sequence, prompt_cache=None) -> Iterator[GenerationChunk]:
+    """Drive `seq` to completion, yielding committed tokens; one model step per `next()`.
+
+    With `prompt_cache`, snapshots are stored after the prompt and at the end.
+    """
     stops = StopChecker(tokenizer, seq.params)
     stats = seq.stats
-    stats.cached_tokens = cached_tokens
     t0 = time.perf_counter()
-    step = lambda: prefill(model, seq, start=cached_tokens)  # noqa: E731
+    step = lambda: prefill(model, seq)  # noqa: E731
     first = True
     while True:
         tokens, lp_rows = step()
+        seq.committed += tokens
         if first:
             stats.prefill_s = time.perf_counter() - t0
             t0, first, step = time.perf_counter(), False, (lambda: decode_step(model, seq))
+            if prompt_cache is not None:
+                prompt_cache.store(take_snapshot(seq.prompt, seq.cache, seq.head_cache, seq.pending_hidden))
         kept, text = stops.feed(tokens)
         seq.output += kept
         seq.history.add(kept)
@@ -78,6 +84,8 @@ def run_sequence(model: MTPModel, tokenizer, seq: Sequence, cached_tokens: int =
         logprobs = None
         if seq.params.logprobs is not None and kept:
             logprobs = token_logprobs(kept, lp_rows, seq.params.logprobs)
+        if stops.finish_reason and prompt_cache is not None:
+            prompt_cache.store(take_snapshot(seq.cache_tokens(), seq.cache, seq.head_cache, seq.pending_hidden))
         yield GenerationChunk(kept, text, stops.finish_reason, stats, logprobs)
         if stops.finish_reason:
             return
@@ -89,6 +97,7 @@ def generate(
     prompt: List[int],
     params: SamplingParams,
     depth: int = 0,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[GenerationChunk]:
-    seq = new_sequence(model, prompt, params, depth)
-    return run_sequence(model, tokenizer, seq)
+    seq = new_sequence(model, prompt, params, depth, prompt_cache)
+    return run_sequence(model, tokenizer, seq, prompt_cache)

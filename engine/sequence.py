@@ -27,18 +27,25 @@ class Sequence:
     # follows each of them (the head's entry at p is f(H[p], emb(x[p+1]))).
     pending_hidden: Optional[mx.array] = None
     pending_tokens: List[int] = field(default_factory=list)
-    output: List[int] = field(default_factory=list)
+    output: List[int] = field(default_factory=list)  # tokens returned to the client
+    committed: List[int] = field(default_factory=list)  # every token a step emitted (before stop trimming)
+    cached_tokens: int = 0  # prompt tokens whose state came from a snapshot
+
+    def cache_tokens(self) -> List[int]:
+        """The tokens the backbone caches hold now (all but the primary)."""
+        return self.prompt + self.committed[:-1]
 
     @property
     def uses_mtp(self) -> bool:
         return self.depth > 0 and self.head_cache is not None
 
 
-def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int) -> Sequence:
+def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, prompt_cache=None) -> Sequence:
+    """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     depth = depth if model.has_mtp else 0
-    return Sequence(
+    seq = Sequence(
         prompt=list(prompt),
         params=params,
         depth=depth,
@@ -48,3 +55,12 @@ def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int) -
         history=TokenHistory.start(model.vocab_size, prompt) if params.has_penalties else TokenHistory(model.vocab_size),
         stats=DecodeStats(depth=depth, prompt_tokens=len(prompt)),
     )
+    snap = prompt_cache.lookup(prompt, needs_head=depth > 0) if prompt_cache is not None else None
+    if snap is not None:
+        seq.cache, head_cache, seq.pending_hidden = snap.restore()
+        if depth > 0:
+            seq.head_cache = head_cache
+        else:
+            seq.pending_hidden = None
+        seq.cached_tokens = seq.stats.cached_tokens = len(snap.tokens)
+    return seq

@@ -28,20 +28,21 @@ Emitted = Tuple[List[int], Optional[mx.array]]
 PREFILL_CHUNK = 1024
 
 
-def prefill(model: MTPModel, seq: Sequence, start: int = 0) -> Emitted:
-    """Forward prompt[start:] (earlier tokens are already in the caches) and emit the first token."""
-    tokens = seq.prompt[start:]
-    hiddens = []
+def prefill(model: MTPModel, seq: Sequence) -> Emitted:
+    """Forward the prompt past what a snapshot already holds, and emit the first token."""
+    tokens = seq.prompt[seq.cached_tokens :]
+    hiddens = [seq.pending_hidden] if seq.pending_hidden is not None else []
     for i in range(0, len(tokens), PREFILL_CHUNK):
         hidden, logits = model.forward(mx.array([tokens[i : i + PREFILL_CHUNK]]), seq.cache)
         if seq.uses_mtp:
             hiddens.append(hidden)
-        mx.eval(logits if not hiddens else [logits, hiddens[-1]], [c.state for c in seq.cache])
+        mx.eval(logits, hiddens[-1:], [c.state for c in seq.cache])
     lp = target_logprobs(logits[0, -1:], seq.params, seq.history)
     first = choose(lp, seq.params, seq.rng).item()
     if seq.uses_mtp:
+        # Owed head pairs (H[p], x[p+1]) from the head cache's end up to the new token.
         seq.pending_hidden = mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
-        seq.pending_tokens = tokens[1:] + [first]
+        seq.pending_tokens = seq.prompt[seq.head_cache.offset + 1 :] + [first]
     seq.primary = first
     return [first], lp
 

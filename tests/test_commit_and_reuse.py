@@ -1,0 +1,103 @@
+"""Cache bookkeeping: a commit after a rejection leaves the caches exactly as a
+cold forward over the committed tokens would; multi-turn reuse of a snapshot
+gives the same output as a cold run."""
+
+import mlx.core as mx
+import pytest
+
+from mtp_serve.engine.generator import generate
+from mtp_serve.engine.prompt_cache import PromptCache
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.sequence import new_sequence
+from mtp_serve.engine.speculative import mtp_round, prefill
+from mtp_serve.models.caches import SpeculativeGDNCache
+
+TOL = 1e-5
+
+
+def _close(a, b):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert mx.allclose(a, b, atol=TOL, rtol=TOL).item(), float(mx.abs(a - b).max())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_commit_after_rejection_equals_cold_forward(family, loaded):
+    lm = loaded(family, agreeable=True)
+    model = lm.model
+    seq = new_sequence(model, [3, 14, 15, 92, 65, 35], SamplingParams(max_tokens=64, ignore_eos=True), depth=3)
+    emitted = prefill(model, seq)[0]
+    seen_partial = False
+    for _ in range(20):
+        before = seq.stats.accepted[:] if seq.stats.accepted else [0, 0, 0]
+        tokens, _ = mtp_round(model, seq)
+        emitted += tokens
+        m = len(tokens) - 1
+        if m < 3:
+            seen_partial = True
+            break
+    assert seen_partial, "no round rejected a draft"
+    seq.committed = emitted
+
+    cold = model.make_cache()
+    committed = seq.cache_tokens()
+    hidden, _ = model.forward(mx.array([committed]), cold)
+    for ours, ref in zip(seq.cache, cold):
+        if isinstance(ours, SpeculativeGDNCache):
+            _close(ours[0], ref[0])  # conv window
+            _close(ours[1], ref[1])  # recurrent state
+        else:
+            assert ours.offset == ref.offset == len(committed)
+            _close(ours.keys[..., : ours.offset, :], ref.keys[..., : ref.offset, :])
+            _close(ours.values[..., : ours.offset, :], ref.values[..., : ref.offset, :])
+
+    # Head KV: entries p < offset are f(H[p], x[p+1]) over the committed tokens.
+    n = seq.head_cache.offset
+    head_ref = model.make_head_cache()
+    model.draft(hidden[:, :n], mx.array([committed[1 : n + 1]]), head_ref)
+    _close(seq.head_cache.keys[..., :n, :], head_ref.keys[..., :n, :])
+    _close(seq.head_cache.values[..., :n, :], head_ref.values[..., :n, :])
+    # ... and the owed pairs cover the rest up to the primary.
+    assert seq.pending_hidden.shape[1] == len(committed) - n
+    _close(seq.pending_hidden, hidden[:, n:])
+    assert seq.pending_tokens == committed[n + 1 :] + [seq.primary]
+
+
+def _run(lm, prompt, depth, cache=None, max_tokens=24):
+    out, stats = [], None
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), depth, cache):
+        out += chunk.token_ids
+        stats = chunk.stats
+    return out, stats
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_multi_turn_reuse_matches_cold_run(depth, loaded):
+    lm = loaded("qwen3_5", agreeable=True)
+    cache = PromptCache()
+    turn1 = [7, 8, 9, 10, 11, 12, 13]
+    reply1, stats1 = _run(lm, turn1, depth, cache)
+    assert stats1.cached_tokens == 0
+    # The next turn resends the conversation plus new tokens.
+    turn2 = turn1 + reply1 + [40, 41, 42]
+    warm, stats2 = _run(lm, turn2, depth, cache)
+    cold, _ = _run(lm, turn2, depth)
+    assert warm == cold
+    # Everything but the last reply token is in the caches (or all of it, when the
+    # final round had already forwarded past max_tokens).
+    assert len(turn1) + len(reply1) - 1 <= stats2.cached_tokens <= len(turn1) + len(reply1)
+    # A prompt that only extends turn 1's prompt reuses the prompt snapshot.
+    turn2b = turn1 + [99, 98]
+    warm_b, stats_b = _run(lm, turn2b, depth, cache)
+    assert stats_b.cached_tokens == len(turn1)
+    assert warm_b == _run(lm, turn2b, depth)[0]
+
+
+def test_prompt_cache_is_bounded_lru():
+    from mtp_serve.engine.prompt_cache import Snapshot
+
+    cache = PromptCache(max_entries=2)
+    for i in range(3):
+        cache.store(Snapshot(tokens=(i, i + 1, i + 2), cache=[], head_cache=None, owed_hidden=None))
+    assert len(cache) == 2
+    assert cache.lookup([0, 1, 2, 3], needs_head=False) is None  # evicted first
+    assert cache.lookup([2, 3, 4, 5], needs_head=False) is not None
