@@ -1,0 +1,91 @@
+"""mtp-generate: decode one prompt, with or without MTP, and print the text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mtp_serve import BACKEND
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="mtp-generate", description="Generate text with MTP speculative decoding.")
+    p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument("--mtp-depth", type=int, help="drafts per round (default: the model card's)")
+    depth.add_argument("--no-mtp", action="store_true", help="plain decoding")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, finish_reason, stats")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import CheckpointError, load_model
+
+    def fail(msg: str) -> int:
+        print(f"mtp-generate: error: {msg}", file=sys.stderr)
+        return 1
+
+    if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
+        return fail("--mtp-depth must be between 1 and 8")
+    try:
+        params = SamplingParams(
+            temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            seed=args.seed, max_tokens=args.max_tokens,
+        )
+        lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        return fail(str(e))
+    tok = lm.tokenizer
+    if args.chat:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        return fail("the prompt encodes to no tokens")
+    depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
+
+    text, ids, chunk = [], [], None
+    for chunk in generate(lm.model, tok, list(prompt_ids), params, depth):
+        ids += chunk.token_ids
+        text.append(chunk.text)
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+    if args.json:
+        print(json.dumps({
+            "model": str(lm.path),
+            "mtp": lm.mtp_status,
+            "backend": BACKEND.note,
+            "text": "".join(text),
+            "token_ids": ids,
+            "finish_reason": chunk.finish_reason,
+            "stats": chunk.stats.as_dict(),
+        }))
+    else:
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
