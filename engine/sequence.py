@@ -30,14 +30,20 @@ class Sequence:
     output: List[int] = field(default_factory=list)  # tokens returned to the client
     committed: List[int] = field(default_factory=list)  # every token a step emitted (before stop trimming)
     cached_tokens: int = 0  # prompt tokens whose state came from a snapshot
+    prefilled: int = 0  # prompt tokens forwarded so far (after the cached ones)
+    last_logits: Optional[mx.array] = None  # logits at the last prefilled position
 
     def cache_tokens(self) -> List[int]:
         """The tokens the backbone caches hold now (all but the primary)."""
         return self.prompt + self.committed[:-1]
 
+    # True when the model has an MTP head: the head's KV and owed pairs are kept
+    # up to date even while not drafting, so drafting can start in any round.
+    tracks_head: bool = False
+
     @property
     def uses_mtp(self) -> bool:
-        return self.depth > 0 and self.head_cache is not None
+        return self.depth > 0
 
 
 def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, prompt_cache=None) -> Sequence:
@@ -46,19 +52,20 @@ def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, p
         raise ValueError("the prompt must contain at least one token")
     depth = depth if model.has_mtp else 0
     seq = Sequence(
+        tracks_head=model.has_mtp,
         prompt=list(prompt),
         params=params,
         depth=depth,
         cache=model.make_cache(),
-        head_cache=model.make_head_cache() if depth > 0 else None,
+        head_cache=model.make_head_cache() if model.has_mtp else None,
         rng=Rng(params.seed),
         history=TokenHistory.start(model.vocab_size, prompt) if params.has_penalties else TokenHistory(model.vocab_size),
         stats=DecodeStats(depth=depth, prompt_tokens=len(prompt)),
     )
-    snap = prompt_cache.lookup(prompt, needs_head=depth > 0) if prompt_cache is not None else None
+    snap = prompt_cache.lookup(prompt, needs_head=seq.tracks_head) if prompt_cache is not None else None
     if snap is not None:
         seq.cache, head_cache, seq.pending_hidden = snap.restore()
-        if depth > 0:
+        if seq.tracks_head:
             seq.head_cache = head_cache
         else:
             seq.pending_hidden = None

@@ -15,9 +15,10 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from mtp_serve.models.caches import commit_verify, set_capture
+from mtp_serve.models.caches import SpeculativeGDNCache, commit_verify, set_capture
 from mtp_serve.models.mtp_model import MTPModel
 
+from .batch import Batch, trim_rows
 from .rejection import accept_greedy, rejection_sample
 from .sampling import choose, target_logprobs
 from .sequence import Sequence
@@ -26,34 +27,57 @@ from .sequence import Sequence
 Emitted = Tuple[List[int], Optional[mx.array]]
 
 PREFILL_CHUNK = 1024
+MAX_OWED_PAIRS = 32
 
 
-def prefill(model: MTPModel, seq: Sequence) -> Emitted:
-    """Forward the prompt past what a snapshot already holds, and emit the first token."""
-    tokens = seq.prompt[seq.cached_tokens :]
-    hiddens = [seq.pending_hidden] if seq.pending_hidden is not None else []
-    for i in range(0, len(tokens), PREFILL_CHUNK):
-        hidden, logits = model.forward(mx.array([tokens[i : i + PREFILL_CHUNK]]), seq.cache)
-        if seq.uses_mtp:
-            hiddens.append(hidden)
-        mx.eval(logits, hiddens[-1:], [c.state for c in seq.cache])
-    lp = target_logprobs(logits[0, -1:], seq.params, seq.history)
+def prefill(model: MTPModel, seq: Sequence, max_tokens: Optional[int] = None) -> Optional[Emitted]:
+    """Forward the next prompt tokens past those already in the caches.
+
+    With `max_tokens`, forwards at most that many (chunked prefill, resumable)
+    and returns None while prompt tokens remain; once the whole prompt is in,
+    samples and returns the first token.
+    """
+    start = seq.cached_tokens + seq.prefilled
+    end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), start + max_tokens)
+    for i in range(start, end, PREFILL_CHUNK):
+        hidden, logits = model.forward(mx.array([seq.prompt[i : min(end, i + PREFILL_CHUNK)]]), seq.cache)
+        if seq.tracks_head:
+            seq.pending_hidden = hidden if seq.pending_hidden is None else mx.concatenate([seq.pending_hidden, hidden], axis=1)
+        mx.eval(logits, seq.pending_hidden if seq.tracks_head else [], [c.state for c in seq.cache])
+        seq.last_logits = logits[:, -1]
+    seq.prefilled += end - start
+    if end < len(seq.prompt):
+        return None
+    lp = target_logprobs(seq.last_logits, seq.params, seq.history)
     first = choose(lp, seq.params, seq.rng).item()
-    if seq.uses_mtp:
+    seq.last_logits = None
+    if seq.tracks_head:
         # Owed head pairs (H[p], x[p+1]) from the head cache's end up to the new token.
-        seq.pending_hidden = mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
         seq.pending_tokens = seq.prompt[seq.head_cache.offset + 1 :] + [first]
     seq.primary = first
     return [first], lp
 
 
 def plain_step(model: MTPModel, seq: Sequence) -> Emitted:
-    _, logits = model.forward(mx.array([[seq.primary]]), seq.cache)
+    hidden, logits = model.forward(mx.array([[seq.primary]]), seq.cache)
     lp = target_logprobs(logits[0], seq.params, seq.history)
     token = choose(lp, seq.params, seq.rng).item()
     seq.stats.backbone_passes += 1
+    if seq.tracks_head:
+        owe_head_pairs(model, seq, hidden, [token])
     seq.primary = token
     return [token], lp
+
+
+def owe_head_pairs(model: MTPModel, seq: Sequence, hidden: mx.array, next_tokens: List[int]) -> None:
+    """Record pairs the head has not seen yet; absorb them once they pile up (plain steps)."""
+    seq.pending_hidden = mx.concatenate([seq.pending_hidden, hidden], axis=1)
+    seq.pending_tokens = seq.pending_tokens + next_tokens
+    if len(seq.pending_tokens) > MAX_OWED_PAIRS:
+        n = len(seq.pending_tokens) - 1  # keep the last pair: it yields the next first draft
+        model.draft(seq.pending_hidden[:, :n], mx.array([seq.pending_tokens[:n]]), seq.head_cache)
+        seq.pending_hidden = seq.pending_hidden[:, n:]
+        seq.pending_tokens = seq.pending_tokens[n:]
 
 
 def mtp_round(model: MTPModel, seq: Sequence) -> Emitted:
@@ -101,3 +125,110 @@ def mtp_round(model: MTPModel, seq: Sequence) -> Emitted:
     seq.stats.backbone_passes += 1
     seq.stats.record_round(K, m)
     return emitted, p[: m + 1]
+
+
+def _pad_right(x: mx.array, n: int) -> mx.array:
+    return mx.pad(x, [(0, 0), (0, n - x.shape[1]), (0, 0)]) if x.shape[1] < n else x
+
+
+def _head_over_owed(model: MTPModel, batch: Batch, keep_last: bool) -> Tuple[mx.array, mx.array]:
+    """Run the batched head over each row's owed pairs (right-padded to a common length).
+
+    Returns the head's hidden and logits at each row's last pair [B,1,H], [B,V].
+    With keep_last, each row's last pair stays owed (absorbing a backlog).
+    """
+    seqs = batch.seqs
+    take = [len(s.pending_tokens) - (1 if keep_last else 0) for s in seqs]
+    N = max(take)
+    hidden = mx.concatenate([_pad_right(s.pending_hidden[:, :n], N) for s, n in zip(seqs, take)])
+    tokens = mx.array([s.pending_tokens[:n] + [0] * (N - n) for s, n in zip(seqs, take)])
+    head = batch.head_cache[0]
+    head.prepare(right_padding=[N - n for n in take])
+    out, logits = model.draft(hidden, tokens, head)
+    head.finalize()
+    last = mx.array([n - 1 for n in take])
+    rows = mx.arange(len(seqs))
+    if keep_last:
+        for s, n in zip(seqs, take):
+            s.pending_hidden, s.pending_tokens = s.pending_hidden[:, n:], s.pending_tokens[n:]
+    return out[rows, last][:, None], logits[rows, last]
+
+
+def batched_round(model: MTPModel, batch: Batch, K: int) -> List[Emitted]:
+    """One round for every row of `batch`: K drafts each (K=0: plain batched step).
+
+    Rows share the forward passes but not their fate: each row is sampled with
+    its own parameters, accepts its own number of drafts and is rolled back by
+    its own count. Returns each row's emitted tokens (and target log-probs).
+    """
+    seqs = batch.seqs
+    B = len(seqs)
+
+    # 1. Draft: the batched head over each row's owed pairs gives d1; then chain.
+    drafts = None
+    q_rows: List[List[mx.array]] = [[] for _ in seqs]
+    if K > 0:
+        hidden, step_logits = _head_over_owed(model, batch, keep_last=False)
+        columns = []
+        for j in range(K):
+            prev = mx.stack(columns, axis=1) if columns else None
+            col = []
+            for i, s in enumerate(seqs):
+                q = target_logprobs(step_logits[i : i + 1], s.params, s.history, prev[i] if prev is not None else None)
+                q_rows[i].append(q)
+                col.append(choose(q, s.params, s.rng))
+            columns.append(mx.concatenate(col))
+            if j < K - 1:
+                hidden, logits = model.draft(hidden, columns[-1][:, None], batch.head_cache[0])
+                step_logits = logits[:, -1]
+        drafts = mx.stack(columns, axis=1)  # [B, K]
+
+    # 2. Verify: one backbone pass over [B, K+1], capturing GDN state per position.
+    inputs = mx.array([[s.primary] for s in seqs])
+    if drafts is not None:
+        inputs = mx.concatenate([inputs, drafts], axis=1)
+    set_capture(batch.cache, True)
+    verify_hidden, verify_logits = model.forward(inputs, batch.cache)
+    set_capture(batch.cache, False)
+    p = [target_logprobs(verify_logits[i], s.params, s.history, drafts[i] if K else None) for i, s in enumerate(seqs)]
+
+    # 3. Accept, row by row.
+    greedy_targets = [mx.argmax(p[i], axis=-1) if s.params.greedy else None for i, s in enumerate(seqs)]
+    mx.eval([t for t in greedy_targets if t is not None], drafts if drafts is not None else [])
+    draft_lists = drafts.tolist() if drafts is not None else [[] for _ in seqs]
+    results = []
+    for i, s in enumerate(seqs):
+        if s.params.greedy:
+            m, token = accept_greedy(draft_lists[i], greedy_targets[i].tolist())
+        elif K > 0:
+            m, token = rejection_sample(drafts[i], p[i], mx.concatenate(q_rows[i]), s.rng)
+        else:
+            m, token = 0, choose(p[i], s.params, s.rng).item()
+        results.append((m, token))
+
+    # 4. Commit per row: GDN state after m+1 positions, KV trimmed by K-m, head entries
+    #    of drafts 2..K dropped, owed pairs up to the new primary.
+    accepted = mx.array([m + 1 for m, _ in results])
+    for c in batch.cache:
+        if isinstance(c, SpeculativeGDNCache):
+            c.select(accepted)
+    trim_rows(batch.cache, [K - m for m, _ in results])
+    if K > 1:
+        batch.head_cache[0].trim(K - 1)
+    emitted_rows: List[Emitted] = []
+    for i, (s, (m, token)) in enumerate(zip(seqs, results)):
+        emitted = draft_lists[i][:m] + [token]
+        owed = verify_hidden[i : i + 1, : m + 1]
+        if K > 0:
+            s.pending_hidden, s.pending_tokens = owed, emitted
+        elif s.tracks_head:
+            s.pending_hidden = mx.concatenate([s.pending_hidden, owed], axis=1)
+            s.pending_tokens = s.pending_tokens + emitted
+        s.primary = token
+        s.stats.backbone_passes += 1
+        if K > 0:
+            s.stats.record_round(K, m)
+        emitted_rows.append((emitted, p[i][: m + 1]))
+    if K == 0 and batch.uses_mtp and max(len(s.pending_tokens) for s in seqs) > MAX_OWED_PAIRS:
+        _head_over_owed(model, batch, keep_last=True)
+    return emitted_rows

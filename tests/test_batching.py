@@ -1,0 +1,123 @@
+"""Continuous batching with per-sequence MTP: each request's output equals its
+single-stream output, whatever shares its batch and whenever it arrives."""
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from mtp_serve.engine.generator import generate
+from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.scheduler import Scheduler
+
+
+def single_stream(lm, prompt, params, depth):
+    toks, text, finish = [], "", None
+    for c in generate(lm.model, lm.tokenizer, prompt, params, depth):
+        toks += c.token_ids
+        text += c.text
+        finish = c.finish_reason
+    return toks, text, finish
+
+
+def drive(lm, requests, depth, *, arrivals=None, cancel=None, max_batch=8, prefill_chunk=4, policy=None):
+    """requests: {key: (prompt, params)}; arrivals: {key: step}; cancel: {key: step}."""
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=max_batch, prefill_chunk=prefill_chunk,
+                      policy=policy or DepthPolicy(max_depth=depth, fixed=True))
+    arrivals = arrivals or {k: 0 for k in requests}
+    cancel = cancel or {}
+    out = {k: ([], "", None) for k in requests}
+    mixed_rounds, step = 0, 0
+    while step == 0 or sched.has_work() or any(a >= step for a in arrivals.values()):
+        for k, a in arrivals.items():
+            if a == step:
+                prompt, params = requests[k]
+                sched.add(k, prompt, params, depth)
+        for k, c in cancel.items():
+            if c == step:
+                sched.cancel(k)
+        for key, chunk in sched.step():
+            assert not isinstance(chunk, Exception), chunk
+            toks, text, _ = out[key]
+            out[key] = (toks + chunk.token_ids, text + chunk.text, chunk.finish_reason)
+        B, K, accepted = sched.last_round
+        if B > 1 and len(set(accepted)) > 1:
+            mixed_rounds += 1
+        step += 1
+        assert step < 5000
+    return out, mixed_rounds, sched
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_batched_greedy_equals_single_stream(depth, loaded):
+    lm = loaded("qwen3_5", agreeable=True)
+    prompts = {"a": [3, 4, 5], "b": list(range(40, 75)), "c": [9] * 12, "d": [100, 101], "e": list(range(200, 220))}
+    max_tokens = {"a": 40, "b": 25, "c": 48, "d": 33, "e": 40}
+    # A stop string the reference output is known to contain: the request must stop there.
+    ref_d = single_stream(lm, prompts["d"], SamplingParams(max_tokens=max_tokens["d"], ignore_eos=True), depth)[1]
+    requests = {}
+    for k, p in prompts.items():
+        stop = (ref_d[12:14],) if k == "d" else ()
+        requests[k] = (p, SamplingParams(max_tokens=max_tokens[k], ignore_eos=True, stop=stop))
+    arrivals = {"a": 0, "b": 0, "c": 3, "d": 7, "e": 12}
+    out, mixed_rounds, sched = drive(lm, requests, depth, arrivals=arrivals, cancel={"e": 20})
+    for k, (prompt, params) in requests.items():
+        ref = single_stream(lm, prompt, params, depth)
+        if k == "e":  # cancelled mid-stream: what it got is a prefix of the reference
+            assert out[k][2] is None and 0 < len(out[k][0]) < len(ref[0])
+            assert out[k][0] == ref[0][: len(out[k][0])]
+            continue
+        assert out[k] == ref, f"request {k} differs from its single-stream output"
+    assert out["d"][2] == "stop" and len(out["d"][0]) < max_tokens["d"]
+    assert mixed_rounds > 0, "no round had rows accepting different numbers of drafts"
+    assert not sched.has_work() and sched.batch is None and not sched.rows
+
+
+def test_isolation_same_output_whatever_the_neighbours(loaded):
+    lm = loaded("qwen3_5", agreeable=True)
+    target = ([21, 22, 23, 24], SamplingParams(max_tokens=30, ignore_eos=True))
+    alone, _, _ = drive(lm, {"t": target}, 2)
+    for neighbours in ([[1, 2]], [[7] * 30, [8, 9, 10]], [list(range(50, 90)), [5], [6, 6, 6]]):
+        reqs = {"t": target}
+        reqs.update({f"n{i}": (p, SamplingParams(max_tokens=17 + i, ignore_eos=True)) for i, p in enumerate(neighbours)})
+        out, _, _ = drive(lm, reqs, 2)
+        assert out["t"] == alone["t"]
+
+
+def test_sampled_and_greedy_rows_share_a_batch_with_plain_depth(loaded):
+    """Greedy rows stay exact beside sampled rows; rows with depth 0 cap the batch's depth."""
+    lm = loaded("qwen3_5", agreeable=True)
+    greedy = ([30, 31, 32], SamplingParams(max_tokens=30, ignore_eos=True))
+    sampled = ([40, 41], SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=3))
+    out, _, _ = drive(lm, {"g": greedy, "s": sampled}, 2)
+    assert out["g"][0] == single_stream(lm, *greedy, 2)[0]
+    assert len(out["s"][0]) == 30
+
+
+def test_adaptive_policy_explores_and_stays_exact(loaded):
+    lm = loaded("qwen3_5", agreeable=True)
+    reqs = {k: ([k * 3 + 1, k * 3 + 2], SamplingParams(max_tokens=40, ignore_eos=True)) for k in range(4)}
+    policy = DepthPolicy(max_depth=3)
+    out, _, _ = drive(lm, reqs, 3, policy=policy)
+    for k, (p, params) in reqs.items():
+        assert out[k][0] == single_stream(lm, p, params, 3)[0]
+    tried = {k for (_, k) in policy.samples}
+    assert tried == {0, 1, 2, 3}, policy.summary()
+
+
+def test_batched_sampling_matches_plain_distribution(loaded):
+    """The distribution test with the sequence under test batched beside another."""
+    lm = loaded("qwen3_5", agreeable=True)
+    n, n_pos, prompt = 600, 3, [11, 22, 33, 44, 55, 66]
+    kw = dict(temperature=1.0, top_k=3, top_p=0.95, max_tokens=n_pos, ignore_eos=True)
+    plain = [single_stream(lm, prompt, SamplingParams(seed=i, **kw), 0)[0] for i in range(n)]
+    batched = []
+    for i in range(n):
+        reqs = {"t": (prompt, SamplingParams(seed=10**6 + i, **kw)),
+                "n": ([7, 8, 9], SamplingParams(seed=i, temperature=1.0, max_tokens=5, ignore_eos=True))}
+        out, _, _ = drive(lm, reqs, 2, prefill_chunk=64)
+        batched.append(out["t"][0])
+    for pos in range(n_pos):
+        a, b = [s[pos] for s in plain], [s[pos] for s in batched]
+        keys = sorted(set(a) | set(b))
+        p = chi2_contingency([[a.count(k) for k in keys], [b.count(k) for k in keys]])[1]
+        assert p > 0.001, f"position {pos}: p={p:.2g}"
