@@ -17,7 +17,7 @@ import mlx.core as mx
 from mtp_serve.models.mtp_model import MTPModel
 
 from .prompt_cache import PromptCache, take_snapshot
-from .sampling import SamplingParams
+from .sampling import SamplingParams, normalize
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, mtp_round, plain_step, prefill
 from .stats import DecodeStats
@@ -42,7 +42,7 @@ class GenerationChunk:
 
 def token_logprobs(tokens: List[int], rows: mx.array, top_n: int) -> List[TokenLogprob]:
     """Log-probabilities of the emitted tokens under the target distribution."""
-    rows = rows[: len(tokens)]
+    rows = normalize(rows[: len(tokens)])  # greedy rows come unnormalized
     chosen = rows[mx.arange(len(tokens)), mx.array(tokens)]
     if top_n > 0:
         top_idx = mx.argsort(-rows, axis=-1)[:, :top_n]

@@ -130,11 +130,22 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 def target_logprobs(
     logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None
 ) -> mx.array:
-    """The full pipeline over logits [T, V] (fp32): what the sampler draws from."""
+    """The full pipeline over logits [T, V] (fp32): what the sampler draws from.
+
+    Greedy requests get the (penalized) logits unnormalized: the argmax is all
+    they need, and filters never remove the argmax. `normalize` them to report
+    log-probabilities.
+    """
     logits = logits.astype(mx.float32)
     if params.has_penalties:
         logits = apply_penalties(logits, params, history, appended)
+    if params.greedy:
+        return logits
     return filtered_logprobs(logits, params)
+
+
+def normalize(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def choose(logprobs: mx.array, params: SamplingParams, rng: Rng) -> mx.array:

@@ -76,6 +76,7 @@ def owe_head_pairs(model: MTPModel, seq: Sequence, hidden: mx.array, next_tokens
     if len(seq.pending_tokens) > MAX_OWED_PAIRS:
         n = len(seq.pending_tokens) - 1  # keep the last pair: it yields the next first draft
         model.draft(seq.pending_hidden[:, :n], mx.array([seq.pending_tokens[:n]]), seq.head_cache)
+        mx.eval(seq.head_cache.state)  # keep the lazy graph bounded on long plain runs
         seq.pending_hidden = seq.pending_hidden[:, n:]
         seq.pending_tokens = seq.pending_tokens[n:]
 
@@ -149,6 +150,7 @@ def _head_over_owed(model: MTPModel, batch: Batch, keep_last: bool) -> Tuple[mx.
     last = mx.array([n - 1 for n in take])
     rows = mx.arange(len(seqs))
     if keep_last:
+        mx.eval(head.state)
         for s, n in zip(seqs, take):
             s.pending_hidden, s.pending_tokens = s.pending_hidden[:, n:], s.pending_tokens[n:]
     return out[rows, last][:, None], logits[rows, last]
