@@ -1,0 +1,244 @@
+"""The engine loop: one thread owns the model and every MLX call.
+
+    engine = EngineLoop(model, tokenizer, max_queue=64, prompt_cache=PromptCache())
+    engine.start()
+    handle = engine.submit(prompt_ids, params, depth)   # from asyncio code
+    async for chunk in handle: ...                       # GenerationChunk, as rounds commit
+    engine.cancel(handle)                                # e.g. the client went away
+
+Requests wait in a bounded queue (`QueueFull` when it is full) and join the
+`Scheduler` between turns (up to `max_active` at once). One turn is one
+scheduler step: a prefill chunk of the oldest newcomer and one decode round
+for the running rows (the single-sequence MTP round, or a batched round with
+per-row acceptance when several run). The loop only admits, cancels and
+delivers; what a step computes is the scheduler's business.
+
+Delivery: each committed chunk goes to the request's asyncio queue through
+`loop.call_soon_threadsafe`, so the asyncio side never waits on MLX. An
+exception in one request ends that request with an `EngineError` item and
+never stops the loop. A cancelled request is dropped at the start of the next
+turn, so its slot is free within one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+from .prompt_cache import PromptCache
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger("mtp_serve.engine")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running."""
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine; the message names the cause."""
+
+
+_DONE = object()
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request as the asyncio side sees it: iterate for chunks, `cancel()` to stop."""
+
+    id: int
+    prompt: List[int]
+    params: SamplingParams
+    depth: int
+    _loop: asyncio.AbstractEventLoop
+    _queue: asyncio.Queue
+    _engine: "EngineLoop"
+    submitted_at: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    finished: bool = False
+
+    def cancel(self) -> None:
+        self._engine.cancel(self)
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        while True:
+            item = await self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_queue: int = 64,
+        max_active: int = 8,
+        prompt_cache: Optional[PromptCache] = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.max_active = max_active
+        self.prompt_cache = prompt_cache
+        self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prompt_cache=prompt_cache)
+        self._waiting: Deque[RequestHandle] = deque()
+        self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._thread: Optional[threading.Thread] = None
+        self._running = False
+        self.turns = 0  # completed turns, for tests and metrics
+
+    # -- asyncio side
+
+    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0) -> RequestHandle:
+        """Queue a request; call from the event loop that will iterate the handle."""
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(next(self._ids), list(prompt), params, depth, loop, asyncio.Queue(), self)
+        with self._cond:
+            if not self._running:
+                raise EngineStopped("the engine is not running")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+            self._waiting.append(handle)
+            self._cond.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request: freed at the start of the next turn (or now, if still waiting)."""
+        with self._cond:
+            if handle.finished or handle.cancelled:
+                return
+            handle.cancelled = True
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                self._finish(handle, None)
+            self._cond.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    @property
+    def running(self) -> bool:
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle
+
+    def start(self) -> "EngineLoop":
+        with self._cond:
+            if self._running:
+                return self
+            self._running = True
+        self._thread = threading.Thread(target=self._run, name="mtp-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- engine thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._waiting and not self._active:
+                    self._cond.wait()
+                if not self._running:
+                    pending = list(self._waiting) + list(self._active.values())
+                    self._waiting.clear()
+                    self._active.clear()
+                    for h in pending:
+                        self._finish(h, EngineStopped("the server is shutting down"))
+                    return
+                cancelled = [h for h in self._active.values() if h.cancelled]
+                admitted = []
+                while self._waiting and len(self._active) - len(cancelled) + len(admitted) < self.max_active:
+                    admitted.append(self._waiting.popleft())
+            for handle in cancelled:
+                self.scheduler.cancel(handle.id)  # dropped by the next step
+                self._retire(handle, None)
+            for handle in admitted:
+                self._admit(handle)
+            self._turn()
+            self.turns += 1
+
+    def _admit(self, handle: RequestHandle) -> None:
+        try:
+            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth)
+        except Exception as e:  # noqa: BLE001 - reported to the request, the loop goes on
+            log.warning("request %d rejected by the engine: %s", handle.id, e)
+            self._finish(handle, EngineError(f"{type(e).__name__}: {e}"))
+            return
+        with self._cond:
+            self._active[handle.id] = handle
+
+    def _turn(self) -> None:
+        """One scheduler step: a prefill chunk and/or one (batched) decode round."""
+        if not self.scheduler.has_work():
+            return
+        try:
+            results = self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - the step failed as a whole: fail its requests, keep looping
+            log.exception("engine step failed")
+            for handle in list(self._active.values()):
+                self.scheduler.cancel(handle.id)
+                self._retire(handle, EngineError(f"{type(e).__name__}: {e}"))
+            return
+        for key, item in results:
+            handle = self._active.get(key)
+            if handle is None:
+                continue
+            if isinstance(item, BaseException):
+                log.error("request %d failed: %s: %s", key, type(item).__name__, item)
+                self._retire(handle, EngineError(f"{type(item).__name__}: {item}"))
+                continue
+            self._deliver(handle, item)
+            if item.finish_reason:
+                self._retire(handle, None)
+
+    def _retire(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        with self._cond:
+            self._active.pop(handle.id, None)
+        self._finish(handle, error)
+
+    def _deliver(self, handle: RequestHandle, item: Any) -> None:
+        try:
+            handle._loop.call_soon_threadsafe(handle._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            handle.cancelled = True
+
+    def _finish(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
+        if handle.finished:
+            return
+        handle.finished = True
+        if error is not None:
+            self._deliver(handle, error)
+        self._deliver(handle, _DONE)

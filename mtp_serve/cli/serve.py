@@ -1,0 +1,109 @@
+"""mtp-serve: the OpenAI-compatible server.
+
+    mtp-serve --model PATH_OR_REPO --enable-mtp
+
+Then point an OpenAI client at http://127.0.0.1:8000/v1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mtp_serve import BACKEND
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
+    p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
+    p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
+    p.add_argument("--mtp-depth", type=int, help="drafts per round with --enable-mtp (default: the model card's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for an engine slot (then 429)")
+    p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
+    p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
+    p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+    def fail(msg: str) -> int:
+        print(f"mtp-serve: error: {msg}", file=sys.stderr)
+        return 1
+
+    if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
+        return fail("--mtp-depth must be between 1 and 8")
+    if args.max_queue < 1:
+        return fail("--max-queue must be at least 1")
+    if args.max_context is not None and args.max_context < 2:
+        return fail("--max-context must be at least 2")
+    if args.chat_template is not None:
+        import os
+
+        if not os.path.isfile(args.chat_template):
+            return fail(f"--chat-template: no such file: {args.chat_template}")
+
+    import uvicorn
+
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import CheckpointError, load_model
+    from mtp_serve.server.app import ServerConfig, create_app, generation_defaults
+
+    try:
+        model_path = args.model or default_model_path()
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp)
+    except FileNotFoundError as e:
+        return fail(str(e))
+    except CheckpointError as e:
+        return fail(str(e))
+
+    depth = 0
+    if loaded.model.has_mtp:
+        depth = args.mtp_depth or loaded.card.default_mtp_depth
+        mtp = f"MTP on, depth {depth}"
+    elif args.enable_mtp:
+        mtp = loaded.mtp_status.replace("MTP off:", "MTP off (requested with --enable-mtp, but") + ")"
+    else:
+        mtp = "MTP off (start with --enable-mtp to use the model's MTP head)" if "no mtp" not in loaded.mtp_status.lower() else loaded.mtp_status
+    name = args.served_model_name or (loaded.path.name if args.model is None or "/" not in args.model or loaded.path.exists() else args.model)
+    if args.model and not args.served_model_name and args.model.count("/") == 1 and not args.model.startswith((".", "/", "~")):
+        name = args.model  # a Hugging Face repo id
+    config = ServerConfig(
+        served_model_name=name,
+        api_key=args.api_key,
+        max_context=args.max_context,
+        max_queue=args.max_queue,
+        mtp_depth=depth,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
+        sampling_defaults=generation_defaults(loaded.path),
+    )
+    app = create_app(loaded, config)
+    svc = app.state.service
+    print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
+          f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
+          f"{BACKEND.note}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

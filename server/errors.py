@@ -1,0 +1,99 @@
+"""OpenAI error objects, and the one place that turns exceptions into error responses.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("mtp_serve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> Dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None, **extra) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _loc(loc) -> Optional[str]:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """`on_error(request, status)` is called for every error response (metrics)."""
+
+    def respond(request: Request, status: int, body: dict, headers=None) -> JSONResponse:
+        if on_error is not None:
+            on_error(request, status)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return respond(request, exc.status, exc.body(), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            first = next(e for e in errors if e.get("type") == "json_invalid")
+            msg = f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            param = None
+        else:
+            first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+            param = _loc(first.get("loc", ()))
+            msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+            if len(errors) > 1:
+                msg += f" (and {len(errors) - 1} more error(s))"
+        detail = json.loads(json.dumps(errors, default=str))  # 422-style details, JSON-safe
+        return respond(request, 400, error_body(msg, "invalid_request_error", param, "invalid_value", detail=detail))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return respond(request, exc.status_code, error_body(str(exc.detail), _TYPES.get(exc.status_code, "server_error")), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return respond(request, 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))

@@ -1,0 +1,124 @@
+"""Request schemas (pydantic): the validation of every OpenAI request field we read.
+
+Unknown fields are ignored (`extra="ignore"`), as OpenAI clients expect;
+messages keep theirs (`extra="allow"`) so chat templates can read fields such
+as `reasoning_content`. Responses are plain dicts built in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=256)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Union[str, Dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class _SamplingFields(_Request):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
+    user: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences")
+        return v
+
+    @property
+    def stop_list(self) -> tuple:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    response_format: Optional[ResponseFormat] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = None

@@ -1,0 +1,130 @@
+"""Reasoning and tool calls through the server, from a real model made to emit them
+(the scripted model in test_server_support: trained to give fixed replies)."""
+
+import json
+
+import openai
+import pytest
+
+from test_server_support import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve, write_scripted_checkpoint
+
+WEATHER_PT, OSLO, HI, BROKEN, ROME = (s[0] for s in SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    return write_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model")
+
+
+@pytest.fixture(scope="module")
+def xml_server(scripted):
+    s = serve(scripted, mtp_depth=2)  # tool parser "auto": the Qwen3.5 card's qwen3_coder
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes_server(scripted):
+    s = serve(scripted, tool_call_parser="hermes")
+    yield s
+    s.stop()
+
+
+def chat(server, messages, thinking, tools=(WEATHER_TOOL,), **kw):
+    c = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+    extra = {"chat_template_kwargs": thinking}
+    if tools:
+        kw["tools"] = list(tools)
+    return c.chat.completions.create(model="test-model", messages=messages, temperature=0, max_tokens=400, extra_body=extra, **kw)
+
+
+def test_tool_calls_non_streamed(xml_server):
+    r = chat(xml_server, WEATHER_PT, THINK)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    msg = choice.message
+    assert msg.model_extra["reasoning_content"] == "The user wants the weather."
+    assert not msg.content
+    calls = msg.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_weather"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3}  # "3" typed by the schema
+    assert json.loads(calls[1].function.arguments) == {"city": "Tokyo"}
+    assert calls[0].id != calls[1].id and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+
+
+def test_tool_calls_streamed(xml_server):
+    chunks = list(chat(xml_server, WEATHER_PT, THINK, stream=True, stream_options={"include_usage": True}))
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert reasoning == "The user wants the weather."
+    calls = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            if tc.index not in calls:
+                assert tc.id and tc.function.name == "get_weather"  # id and name come first
+                calls[tc.index] = {"id": tc.id, "args": tc.function.arguments or ""}
+            else:
+                assert tc.id is None and tc.function.name is None
+                calls[tc.index]["args"] += tc.function.arguments
+    assert [json.loads(calls[i]["args"]) for i in sorted(calls)] == [{"city": "Paris", "days": 3}, {"city": "Tokyo"}]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_reasoning_split(xml_server):
+    r = chat(xml_server, HI, THINK, tools=())
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "Greet them briefly."
+    assert msg.content == "Hello there!" and r.choices[0].finish_reason == "stop"
+    chunks = list(chat(xml_server, HI, THINK, tools=(), stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Greet them briefly."
+    assert "".join(d.content or "" for d in deltas) == "Hello there!"
+    # Reasoning streams before content.
+    first_content = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(not d.model_extra.get("reasoning_content") for d in deltas[first_content:])
+
+
+def test_malformed_tool_text_is_content(xml_server):
+    for stream in (False, True):
+        if stream:
+            chunks = list(chat(xml_server, BROKEN, NO_THINK, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            r = chat(xml_server, BROKEN, NO_THINK)
+            content, finish = r.choices[0].message.content, [r.choices[0].finish_reason]
+            assert not r.choices[0].message.tool_calls
+        assert content == MALFORMED and finish == ["stop"]
+
+
+def test_hermes_tool_call(hermes_server):
+    r = chat(hermes_server, OSLO, NO_THINK)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo", "days": 2}
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_forces_the_call(xml_server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(xml_server, ROME, NO_THINK, tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    chunks = list(chat(xml_server, ROME, NO_THINK, tool_choice=named, stream=True))
+    first = next(tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or []))
+    assert first.function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        chat(xml_server, ROME, NO_THINK, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_tool_choice_none_returns_text(xml_server):
+    r = chat(xml_server, WEATHER_PT, THINK, tool_choice="none")
+    msg = r.choices[0].message
+    assert not msg.tool_calls and msg.content.startswith("<tool_call>\n<function=get_weather>")
+    assert msg.model_extra["reasoning_content"] == "The user wants the weather."
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_the_first(xml_server):
+    r = chat(xml_server, WEATHER_PT, THINK, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Paris"]
