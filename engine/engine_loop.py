@@ -92,6 +92,7 @@ class EngineLoop:
         *,
         max_queue: int = 64,
         max_active: int = 8,
+        prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
     ):
         self.model = model
@@ -99,7 +100,8 @@ class EngineLoop:
         self.max_queue = max_queue
         self.max_active = max_active
         self.prompt_cache = prompt_cache
-        self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prompt_cache=prompt_cache)
+        self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
+                                   prompt_cache=prompt_cache)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
         self._cond = threading.Condition()

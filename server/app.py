@@ -45,7 +45,8 @@ class ServerConfig:
     api_key: Optional[str] = None
     max_context: Optional[int] = None  # None: the model's max_position_embeddings
     max_queue: int = 64
-    max_active: int = 8
+    max_active: int = 8  # --max-batch-size
+    prefill_chunk: int = 512
     mtp_depth: int = 0  # default drafts per round; 0 = MTP off
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
@@ -81,6 +82,7 @@ class Service:
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
+                                 prefill_chunk=config.prefill_chunk,
                                  prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes))
         self.metrics = Metrics(self.engine)
         # One thread renders and tokenizes prompts: off the event loop, never concurrent.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from mtp_serve import BACKEND
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for an engine slot (then 429)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
     p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
@@ -52,6 +55,8 @@ def main(argv=None) -> int:
         return fail("--mtp-depth must be between 1 and 8")
     if args.max_queue < 1:
         return fail("--max-queue must be at least 1")
+    if args.max_batch_size < 1 or args.prefill_chunk < 1:
+        return fail("--max-batch-size and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 2:
         return fail("--max-context must be at least 2")
     if args.chat_template is not None:
@@ -82,14 +87,15 @@ def main(argv=None) -> int:
         mtp = loaded.mtp_status.replace("MTP off:", "MTP off (requested with --enable-mtp, but") + ")"
     else:
         mtp = "MTP off (start with --enable-mtp to use the model's MTP head)" if "no mtp" not in loaded.mtp_status.lower() else loaded.mtp_status
-    name = args.served_model_name or (loaded.path.name if args.model is None or "/" not in args.model or loaded.path.exists() else args.model)
-    if args.model and not args.served_model_name and args.model.count("/") == 1 and not args.model.startswith((".", "/", "~")):
-        name = args.model  # a Hugging Face repo id
+    is_repo_id = bool(args.model) and not Path(args.model).expanduser().exists()
+    name = args.served_model_name or (args.model if is_repo_id else loaded.path.name)
     config = ServerConfig(
         served_model_name=name,
         api_key=args.api_key,
         max_context=args.max_context,
         max_queue=args.max_queue,
+        max_active=args.max_batch_size,
+        prefill_chunk=args.prefill_chunk,
         mtp_depth=depth,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
