@@ -308,7 +308,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(
-                chat_stream(handle, request, prompt, req, rid, created, timing, include_usage, path),
+                sse_guard(chat_stream(handle, request, prompt, req, rid, created, timing, include_usage), path),
                 ping=config.ping_seconds, sep="\n")
 
         text, lps, finish, stats = [], [], None, None
@@ -341,7 +341,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
             "usage": usage(stats, len(prompt.ids)),
         }
 
-    async def chat_stream(handle, request, prompt: ChatPrompt, req, rid, created, timing, include_usage, path):
+    async def chat_stream(handle, request, prompt: ChatPrompt, req, rid, created, timing, include_usage):
         def chunk(delta: Optional[dict], finish=None, logprobs=None, usage_=None) -> dict:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": config.served_model_name,
                     "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -351,37 +351,25 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
 
         parser = svc.chat.output_parser(prompt, streaming=True)
         parallel = req.parallel_tool_calls
-        status = 200
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            for ev in parser.feed(prompt.forced):
-                if _keep_event(ev, parallel):
-                    yield chunk(_event_delta(ev))
-            async for c in engine_chunks(svc, handle, request, timing, watch_disconnect=False):
-                events = parser.feed(c.text)
-                if c.finish_reason:
-                    events += parser.finish()
-                deltas = [_event_delta(ev) for ev in events if _keep_event(ev, parallel)]
-                lp = svc.chat_logprobs(c.logprobs) if c.logprobs else None
-                if lp is not None and not deltas:
-                    deltas = [{}]
-                for i, d in enumerate(deltas):
-                    yield chunk(d, logprobs=lp if i == 0 else None)
-                if c.finish_reason:
-                    finish = "tool_calls" if (parser.has_tool_calls and c.finish_reason == "stop") else c.finish_reason
-                    yield chunk({}, finish=finish)
-                    if include_usage:
-                        yield chunk(None, usage_=usage(c.stats, len(prompt.ids)))
-            yield {"data": "[DONE]"}
-        except (EngineError, EngineStopped) as e:
-            status = 500
-            yield {"data": json.dumps(error_body(str(e), "server_error"))}
-            yield {"data": "[DONE]"}
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            svc.metrics.request(path, status)
+        yield chunk({"role": "assistant", "content": ""})
+        for ev in parser.feed(prompt.forced):
+            if _keep_event(ev, parallel):
+                yield chunk(_event_delta(ev))
+        async for c in engine_chunks(svc, handle, request, timing, watch_disconnect=False):
+            events = parser.feed(c.text)
+            if c.finish_reason:
+                events += parser.finish()
+            deltas = [_event_delta(ev) for ev in events if _keep_event(ev, parallel)]
+            lp = svc.chat_logprobs(c.logprobs) if c.logprobs else None
+            if lp is not None and not deltas:
+                deltas = [{}]
+            for i, d in enumerate(deltas):
+                yield chunk(d, logprobs=lp if i == 0 else None)
+            if c.finish_reason:
+                finish = "tool_calls" if (parser.has_tool_calls and c.finish_reason == "stop") else c.finish_reason
+                yield chunk({}, finish=finish)
+                if include_usage:
+                    yield chunk(None, usage_=usage(c.stats, len(prompt.ids)))
 
     # ------------------------------------------------------------ completions
 
@@ -402,7 +390,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         path = request.url.path
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(completion_stream(handle, request, ids, req, rid, created, timing, include_usage, echo, path),
+            return EventSourceResponse(sse_guard(completion_stream(handle, request, ids, req, rid, created, timing, include_usage, echo), path),
                                        ping=config.ping_seconds, sep="\n")
         text, lps, finish, stats = [echo], [], None, None
         try:
@@ -424,7 +412,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
             "usage": usage(stats, len(ids)),
         }
 
-    async def completion_stream(handle, request, ids, req, rid, created, timing, include_usage, echo, path):
+    async def completion_stream(handle, request, ids, req, rid, created, timing, include_usage, echo):
         def chunk(text: Optional[str], finish=None, logprobs=None, usage_=None) -> dict:
             body = {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
                     "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
@@ -432,19 +420,25 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
                 body["usage"] = usage_
             return {"data": json.dumps(body, ensure_ascii=False)}
 
-        status, offset = 200, len(echo)
+        offset = len(echo)
+        if echo:
+            yield chunk(echo)
+        async for c in engine_chunks(svc, handle, request, timing, watch_disconnect=False):
+            lp = svc.completion_logprobs(c.logprobs, offset) if c.logprobs else None
+            offset += len(c.text)
+            if c.text or lp is not None:
+                yield chunk(c.text, logprobs=lp)
+            if c.finish_reason:
+                yield chunk("", finish=c.finish_reason)
+                if include_usage:
+                    yield chunk(None, usage_=usage(c.stats, len(ids)))
+
+    async def sse_guard(events, path: str):
+        """Ends every stream with [DONE]; an engine error becomes an error event; metrics by outcome."""
+        status = 200
         try:
-            if echo:
-                yield chunk(echo)
-            async for c in engine_chunks(svc, handle, request, timing, watch_disconnect=False):
-                lp = svc.completion_logprobs(c.logprobs, offset) if c.logprobs else None
-                offset += len(c.text)
-                if c.text or lp is not None:
-                    yield chunk(c.text, logprobs=lp)
-                if c.finish_reason:
-                    yield chunk("", finish=c.finish_reason)
-                    if include_usage:
-                        yield chunk(None, usage_=usage(c.stats, len(ids)))
+            async for event in events:
+                yield event
             yield {"data": "[DONE]"}
         except (EngineError, EngineStopped) as e:
             status = 500
