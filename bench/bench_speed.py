@@ -36,7 +36,7 @@ Cost-model mode (`--cost-model`): random weights, fp32, with Qwen3.5-0.8B's
 layer shapes (all 24 layers; vocabulary reduced to 32k to save memory) and a
 Qwen3.5-9B-like shape (hidden 4096, 4 of its 32 layers built), plus the
 `--model` checkpoint when it loads: cost of a T-token verify forward (GDN state
-capture on) relative to a plain one-token step for T = 1..5, and of one MTP
+capture on) plus its commit relative to a plain one-token step for T = 1..5, and of one MTP
 draft step. Because the LM head and the layer count are cut, each shape also
 gets a projected full-model row: layers scaled to the real layer count and
 the LM head re-timed at the real vocabulary (248,320) as a plain matmul. The
@@ -336,7 +336,7 @@ class Instrument:
         def forward(tokens, cache):
             t = pc()
             h, logits = orig_forward(tokens, cache)
-            captured = [c.states for c in cache if isinstance(c, SpeculativeGDNCache) and c.capturing and c.states is not None]
+            captured = [c.window.arrays for c in cache if isinstance(c, SpeculativeGDNCache) and c.capturing and c.window is not None]
             mx.eval(h, logits, captured)
             T = tokens.shape[1]
             # prefill (long inputs) is not a decode step: leave it out
@@ -410,7 +410,7 @@ def _median(xs):
 
 def measure_costs(model, *, context: int = 128, reps: int = 5, Ts=(1, 2, 3, 4, 5), seed: int = 0,
                   full_vocab: Optional[int] = None, log=print) -> dict:
-    """Median seconds of: a plain T=1 step, a T-token verify (capture on), one draft step,
+    """Median seconds of: a plain T=1 step, a T-token verify (capture on) and its commit, one draft step,
     and the model's LM head alone over T rows (and at `full_vocab` as a plain matmul)."""
     V = model.vocab_size
     H = model.inner.embed_tokens.weight.shape[1]
@@ -442,12 +442,10 @@ def measure_costs(model, *, context: int = 128, reps: int = 5, Ts=(1, 2, 3, 4, 5
         set_capture(cache, True)
         t = pc()
         h, lg = model.forward(x, cache)
-        mx.eval(h, lg, [c.states for c in cache if isinstance(c, SpeculativeGDNCache)])
-        dt = pc() - t
         set_capture(cache, False)
-        commit_verify(cache, accepted_tokens=1, verified_tokens=T)
-        mx.eval([c.state for c in cache])
-        return dt
+        commit_verify(cache, accepted_tokens=1, verified_tokens=T)  # the commit's state is part of the cost
+        mx.eval(h, lg, [c.state for c in cache])
+        return pc() - t
 
     def draft():
         x = tok(1)

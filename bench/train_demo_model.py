@@ -13,9 +13,12 @@ the backbone and trains the MTP head on the backbone's post-final-norm hidden
 states: the entry at position p sees (H[p], emb(x[p+1])) and is trained to
 match the backbone's own next-next distribution (soft targets from the
 backbone's logits at p+1; `--head-true-weight` mixes in the true x[p+2]), which
-is what greedy acceptance measures. With `--chain-weight > 0` the head is also
-trained at depth 2: its own output hidden at p with emb(x[p+2]) predicts the
-backbone's distribution at p+2.
+is what greedy acceptance measures. `--chain-weights` also trains it chained at
+depth 2, 3, ...: its own output hidden at p with emb(x[p+2]) predicts the
+backbone's distribution at p+2, and so on. `--on-policy-fraction` mixes in the
+backbone's own greedy rollouts (the trajectories greedy MTP decoding drafts
+along); `--init-from` with `--stages 2` retrains only the head of an exported
+checkpoint.
 
 Every stage stops on its wall-clock budget and saves; the run is resumable
 (state under `--work-dir`; run the same command again). The result is
@@ -126,8 +129,12 @@ def prepare_data(args) -> dict:
     log(f"data: {len(train_docs)} train files ({sum(len(t) for _, t in train_docs) / 1e6:.1f} MB), "
         f"{len(held_docs)} held-out files")
     t0 = time.time()
-    tok = train_tokenizer((t for _, t in train_docs), vocab_size=args.vocab)
-    log(f"tokenizer: {tok.get_vocab_size()} ids trained in {time.time() - t0:.0f}s")
+    if args.init_from:  # keep the checkpoint's own tokenizer
+        tok = load_tokenizer_json(Path(args.init_from) / "tokenizer.json")
+        log(f"tokenizer: {tok.get_vocab_size()} ids from {args.init_from}")
+    else:
+        tok = train_tokenizer((t for _, t in train_docs), vocab_size=args.vocab)
+        log(f"tokenizer: {tok.get_vocab_size()} ids trained in {time.time() - t0:.0f}s")
     tok.save(str(wd / "tokenizer.json"))
     eot = tok.token_to_id("<|endoftext|>")
     rng = random.Random(1234)
@@ -162,6 +169,48 @@ def batches(stream: np.ndarray, batch: int, seq: int, seed: int):
     while True:
         starts = rng.integers(0, n, size=batch)
         yield mx.array(np.stack([stream[s : s + seq + 2] for s in starts]).astype(np.int32))
+
+
+def mixed_batches(stream: np.ndarray, rollouts: np.ndarray | None, fraction: float, batch: int, seq: int, seed: int):
+    """Text windows, with `fraction` of the rows drawn from the backbone's own greedy rollouts."""
+    text = batches(stream, batch, seq, seed)
+    rng = np.random.default_rng(seed + 1)
+    while True:
+        x = next(text)
+        if rollouts is None or fraction <= 0:
+            yield x
+            continue
+        take = rng.random(batch) < fraction
+        if take.any():
+            rows = np.array(x)
+            rows[take] = rollouts[rng.integers(0, len(rollouts), size=int(take.sum()))][:, : seq + 2]
+            x = mx.array(rows)
+        yield x
+
+
+def greedy_rollouts(model, stream: np.ndarray, n: int, prompt_len: int, gen_len: int, batch: int, seed: int) -> np.ndarray:
+    """[n, prompt_len + gen_len] windows: a text prompt, then the backbone's own greedy continuation.
+
+    Greedy MTP decoding drafts along the backbone's own output, which for a small
+    model is far more repetitive than the training text: training the head on
+    these trajectories (on-policy) is what raises greedy acceptance.
+    """
+    rng = np.random.default_rng(seed)
+    lm = model.language_model
+    rows = []
+    for i in range(0, n, batch):
+        starts = rng.integers(0, len(stream) - prompt_len, size=min(batch, n - i))
+        x = mx.array(np.stack([stream[s : s + prompt_len] for s in starts]).astype(np.int32))
+        cache = lm.make_cache()
+        tok = mx.argmax(lm(x, cache=cache)[:, -1:], -1)
+        out = [x]
+        for _ in range(gen_len):
+            out.append(tok)
+            tok = mx.argmax(lm(tok, cache=cache)[:, -1:], -1)
+            mx.eval(tok)
+        rows.append(np.array(mx.concatenate(out, axis=1)).astype(np.int32))
+        log(f"rollouts: {i + len(starts)}/{n} windows")
+    return np.concatenate(rows)
 
 
 def eval_windows(stream: np.ndarray, n: int, seq: int) -> mx.array:
@@ -334,29 +383,28 @@ def teacher(model, x):
     return mx.stop_gradient(h), mx.stop_gradient(logits)
 
 
-def head_losses(head, embed, H, T_logits, x, true_weight: float, chain_weight: float):
-    """Depth-1 (and optionally depth-2) losses of the head; returns (loss, d1 loss, d1 agreement)."""
+def head_losses(head, embed, H, T_logits, x, true_weight: float, chain_weights: tuple = ()):
+    """Head losses at depth 1 and, chained on its own output, at depths 2.. (one weight each).
+
+    Depth d: entry p = (out_{d-1}[p], emb(x[p+d])) (out_0 = H) is trained towards the
+    backbone's distribution at p+d (its prediction of x[p+d+1]). Returns (loss, (d1 CE
+    against the true token, d1 argmax agreement with the backbone)).
+    """
     S = H.shape[1]
-    # depth 1: entry p = (H[p], emb(x[p+1])) -> backbone distribution at p+1 (predicting x[p+2])
-    out1 = head(H[:, : S - 1], embed(x[:, 1:S]))
-    logits1 = embed.as_linear(out1)
-    tgt1 = mx.softmax(T_logits[:, 1:S], axis=-1)
-    logp1 = logits1 - mx.logsumexp(logits1, axis=-1, keepdims=True)
-    soft1 = -(tgt1 * logp1).sum(-1).mean()
-    hard1 = nn.losses.cross_entropy(logits1, x[:, 2 : S + 1], reduction="mean")
-    d1 = (1 - true_weight) * soft1 + true_weight * hard1
-    agree = (mx.argmax(logits1, -1) == mx.argmax(T_logits[:, 1:S], -1)).astype(mx.float32).mean()
-    loss = d1
-    if chain_weight > 0:
-        # depth 2: entry p = (out1[p], emb(x[p+2])) -> backbone distribution at p+2
-        out2 = head(out1[:, : S - 2], embed(x[:, 2:S]))
-        logits2 = embed.as_linear(out2)
-        tgt2 = mx.softmax(T_logits[:, 2:S], axis=-1)
-        logp2 = logits2 - mx.logsumexp(logits2, axis=-1, keepdims=True)
-        soft2 = -(tgt2 * logp2).sum(-1).mean()
-        hard2 = nn.losses.cross_entropy(logits2, x[:, 3 : S + 1], reduction="mean")
-        loss = loss + chain_weight * ((1 - true_weight) * soft2 + true_weight * hard2)
-    return loss, (hard1, agree)
+    loss, hidden, metrics = 0.0, H, None
+    for d, weight in enumerate((1.0,) + tuple(chain_weights), start=1):
+        n = S - d
+        out = head(hidden[:, :n], embed(x[:, d : d + n]))
+        logits = embed.as_linear(out)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        soft = -(mx.softmax(T_logits[:, d : d + n], axis=-1) * logp).sum(-1).mean()
+        hard = nn.losses.cross_entropy(logits, x[:, d + 1 : d + 1 + n], reduction="mean")
+        loss = loss + weight * ((1 - true_weight) * soft + true_weight * hard)
+        if d == 1:
+            agree = (mx.argmax(logits, -1) == mx.argmax(T_logits[:, 1:S], -1)).astype(mx.float32).mean()
+            metrics = (hard, agree)
+        hidden = out
+    return loss, metrics
 
 
 def eval_head(model, head, windows: mx.array, bs: int = 8):
@@ -365,7 +413,7 @@ def eval_head(model, head, windows: mx.array, bs: int = 8):
     for i in range(0, windows.shape[0], bs):
         x = windows[i : i + bs]
         H, TL = teacher(model, x[:, :-1])
-        _, (h1, a1) = head_losses(head, embed, H, TL, x, 0.0, 0.0)
+        _, (h1, a1) = head_losses(head, embed, H, TL, x, 0.0)
         k = x.shape[0]
         hard += h1.item() * k
         agree += a1.item() * k
@@ -386,7 +434,7 @@ def run_stage2(args, model, head, data, wd: Path) -> dict:
     budget = args.stage2_min * 60
 
     def loss_fn(head, H, TL, x):
-        loss, _ = head_losses(head, embed, H, TL, x, args.head_true_weight, args.chain_weight)
+        loss, _ = head_losses(head, embed, H, TL, x, args.head_true_weight, tuple(args.chain_weights))
         return loss
 
     loss_and_grad = nn.value_and_grad(head, loss_fn)
@@ -404,7 +452,18 @@ def run_stage2(args, model, head, data, wd: Path) -> dict:
         teach = mx.compile(lambda x: teacher(model, x))
     else:
         teach = lambda x: teacher(model, x)  # noqa: E731
-    gen = batches(data["train"], args.head_batch, args.seq, seed=5000 + info["step"])
+    rollouts = None
+    if args.on_policy_fraction > 0:
+        path = wd / "rollouts.npy"
+        if path.exists():
+            rollouts = np.load(path)
+        else:
+            t0 = time.time()
+            rollouts = greedy_rollouts(model, data["train"], args.rollouts, args.rollout_prompt, args.seq + 2 - args.rollout_prompt,
+                                       args.rollout_batch, seed=args.seed + 77)
+            np.save(path, rollouts)
+            log(f"rollouts: {rollouts.size:,} tokens in {time.time() - t0:.0f}s")
+    gen = mixed_batches(data["train"], rollouts, args.on_policy_fraction, args.head_batch, args.seq, seed=5000 + info["step"])
     t_start = time.time() - info["elapsed"]
     last_save = time.time()
     tok_window, t_window = 0, time.time()
@@ -507,7 +566,15 @@ def parse_args(argv=None):
     ap.add_argument("--min-lr-ratio", type=float, default=0.05)
     ap.add_argument("--head-true-weight", type=float, default=0.0,
                     help="weight of the true x[p+2] in the head loss (rest: backbone's soft next-next distribution)")
-    ap.add_argument("--chain-weight", type=float, default=0.3, help="weight of the depth-2 (chained) head loss; 0: off")
+    ap.add_argument("--chain-weights", type=float, nargs="*", default=[0.3],
+                    help="weights of the chained head losses at depth 2, 3, ... (none: depth 1 only)")
+    ap.add_argument("--init-from", default=None,
+                    help="start from this exported checkpoint (backbone, head and tokenizer), e.g. to retrain the head with --stages 2")
+    ap.add_argument("--on-policy-fraction", type=float, default=0.0,
+                    help="share of stage-2 rows taken from the backbone's own greedy rollouts")
+    ap.add_argument("--rollouts", type=int, default=1024, help="greedy rollout windows generated for stage 2")
+    ap.add_argument("--rollout-prompt", type=int, default=64, help="text tokens before each greedy rollout")
+    ap.add_argument("--rollout-batch", type=int, default=32)
     ap.add_argument("--stage1-min", "--time-budget-min", type=float, default=47.0, dest="stage1_min",
                     help="wall-clock budget of stage 1 (backbone), minutes")
     ap.add_argument("--stage2-min", type=float, default=15.0, help="wall-clock budget of stage 2 (MTP head), minutes")
@@ -530,9 +597,6 @@ def main(argv=None):
     wd.mkdir(parents=True, exist_ok=True)
     mx.random.seed(args.seed)
     log(f"mlx {mx.__version__}, backend {mtp_serve.BACKEND.note}")
-    from mtp_serve.models import gdn
-
-    log(f"chunked gated delta rule: {'yes' if gdn._chunked_rule() is not None else 'NO (per-token loop)'}")
     data = prepare_data(args)
     tok = data["tok"]
     vocab = tok.get_vocab_size()
@@ -541,13 +605,21 @@ def main(argv=None):
     config["eos_token_id"] = eos
     (wd / "config.json").write_text(json.dumps(config, indent=2))
     model, head = build(config)
+    if args.init_from:
+        from mtp_serve.models.loader import load_model
+
+        src = load_model(args.init_from)
+        model.update(src.model.model.parameters())
+        if src.model.head is not None:
+            head.update(src.model.head.parameters())
+        log(f"initialised backbone{' and head' if src.model.head is not None else ''} from {args.init_from}")
     log(f"params: backbone {n_params(model):,} (embedding {vocab * args.hidden:,}), head {n_params(head):,}")
     s1 = s2 = {}
     if "1" in args.stages:
         s1 = run_stage1(args, model, data, wd)
     if "2" in args.stages:
         if not s1:
-            s1 = load_state(wd, "stage1", model, None)
+            s1 = dict(init_from=args.init_from) if args.init_from else load_state(wd, "stage1", model, None)
         s2 = run_stage2(args, model, head, data, wd)
         model.unfreeze()
         export(args, model, head, config, tok, wd, s1, s2)

@@ -2,11 +2,10 @@
 
 Rows join (prefilled alone, then merged) and leave (filtered out) between
 rounds. Each row keeps its own acceptance: after a batched verify, the
-GatedDeltaNet state is selected per row, and each row's attention KV is
-trimmed by its own rejected count: the rejected tail becomes right padding,
-which `BatchKVCache.finalize` rolls into left padding (the row's valid
-entries end at the shared write index again, and the mask hides the rest).
-The MTP head's cache is batched the same way.
+GatedDeltaNet state is selected per row, and each row's attention KV drops
+its own rejected tail (`RollbackBatchKVCache.trim_rows`: the dropped entries
+become masked holes, nothing is copied). The MTP head's cache is batched the
+same way.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
-
-from mtp_serve.models.caches import SpeculativeGDNCache
+from mtp_serve.models.caches import RollbackBatchKVCache, SpeculativeGDNCache
 
 from .sequence import Sequence
 
@@ -34,7 +31,7 @@ def merge_caches(per_row: List[List[Any]]) -> List[Any]:
         if isinstance(layer_caches[0], SpeculativeGDNCache):
             out.append(_merge_gdn(list(layer_caches)))
         else:
-            out.append(BatchKVCache.merge(list(layer_caches)))
+            out.append(RollbackBatchKVCache.merge(list(layer_caches)))
     return out
 
 
@@ -58,9 +55,8 @@ def trim_rows(batch: List[Any], rejected: List[int]) -> None:
     if max(rejected) == 0:
         return
     for c in batch:
-        if isinstance(c, BatchKVCache):
-            c.prepare(right_padding=rejected)
-            c.finalize()
+        if isinstance(c, RollbackBatchKVCache):
+            c.trim_rows(rejected)
 
 
 class Batch:

@@ -144,9 +144,8 @@ def _head_over_owed(model: MTPModel, batch: Batch, keep_last: bool) -> Tuple[mx.
     hidden = mx.concatenate([_pad_right(s.pending_hidden[:, :n], N) for s, n in zip(seqs, take)])
     tokens = mx.array([s.pending_tokens[:n] + [0] * (N - n) for s, n in zip(seqs, take)])
     head = batch.head_cache[0]
-    head.prepare(right_padding=[N - n for n in take])
     out, logits = model.draft(hidden, tokens, head)
-    head.finalize()
+    head.trim_rows([N - n for n in take])  # the padding entries
     last = mx.array([n - 1 for n in take])
     rows = mx.arange(len(seqs))
     if keep_last:
@@ -185,11 +184,12 @@ def batched_round(model: MTPModel, batch: Batch, K: int) -> List[Emitted]:
                 step_logits = logits[:, -1]
         drafts = mx.stack(columns, axis=1)  # [B, K]
 
-    # 2. Verify: one backbone pass over [B, K+1], capturing GDN state per position.
+    # 2. Verify: one backbone pass over [B, K+1], capturing GDN state per position
+    #    (a plain step, K=0, has nothing to roll back).
     inputs = mx.array([[s.primary] for s in seqs])
     if drafts is not None:
         inputs = mx.concatenate([inputs, drafts], axis=1)
-    set_capture(batch.cache, True)
+    set_capture(batch.cache, K > 0)
     verify_hidden, verify_logits = model.forward(inputs, batch.cache)
     set_capture(batch.cache, False)
     p = [target_logprobs(verify_logits[i], s.params, s.history, drafts[i] if K else None) for i, s in enumerate(seqs)]
@@ -210,11 +210,12 @@ def batched_round(model: MTPModel, batch: Batch, K: int) -> List[Emitted]:
 
     # 4. Commit per row: GDN state after m+1 positions, KV trimmed by K-m, head entries
     #    of drafts 2..K dropped, owed pairs up to the new primary.
-    accepted = mx.array([m + 1 for m, _ in results])
-    for c in batch.cache:
-        if isinstance(c, SpeculativeGDNCache):
-            c.select(accepted)
-    trim_rows(batch.cache, [K - m for m, _ in results])
+    if K > 0:
+        accepted = mx.array([m + 1 for m, _ in results])
+        for c in batch.cache:
+            if isinstance(c, SpeculativeGDNCache):
+                c.select(accepted)
+        trim_rows(batch.cache, [K - m for m, _ in results])
     if K > 1:
         batch.head_cache[0].trim(K - 1)
     emitted_rows: List[Emitted] = []

@@ -275,3 +275,86 @@ def gated_delta_chunked(
         y = mx.where(mask[..., None, None], y, 0.0)
     state = mx.contiguous(H.swapaxes(-1, -2)).reshape(B, Hv, Dv, Dk)
     return y.astype(out_dtype), state
+
+
+# ---------------------------------------------------------------------------
+# Verify windows: every position's state from one chunk, computed lazily.
+# ---------------------------------------------------------------------------
+
+
+class WindowStates:
+    """The states after each position of a verify window, in WY form.
+
+    S_t = gam_t S0 + sum_{i<=t} decay[t, i] delta_i k_i^T; only the state a
+    commit keeps is ever materialized (`after`), instead of all T of them.
+    """
+
+    def __init__(self, s0: mx.array, gam: mx.array, decay: mx.array, delta: mx.array, k: mx.array):
+        self.s0 = s0  # [B, Hv, Dv, Dk]
+        self.gam = gam  # [B, Hv, T]
+        self.decay = decay  # [B, Hv, T, T]
+        self.delta = delta  # [B, Hv, T, Dv]
+        self.k = k  # [B, Hv, T, Dk]
+
+    @property
+    def length(self) -> int:
+        return self.gam.shape[-1]
+
+    @property
+    def arrays(self) -> list:
+        return [self.gam, self.decay, self.delta]
+
+    def after(self, n) -> mx.array:
+        """State after `n` positions (1..T): an int, or an int array [B] (one per row)."""
+        if isinstance(n, int):
+            gam, decay = self.gam[..., n - 1], self.decay[..., n - 1, :]
+        else:
+            idx = (n.astype(mx.int32) - 1).reshape(-1, 1, 1)
+            gam = mx.take_along_axis(self.gam, idx, axis=-1)[..., 0]
+            decay = mx.take_along_axis(self.decay, idx[..., None], axis=-2)[..., 0, :]
+        update = (self.delta * decay[..., None]).swapaxes(-1, -2) @ self.k  # [B, Hv, Dv, Dk]
+        return gam[..., None, None] * self.s0 + update
+
+
+def gated_delta_window(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+) -> Tuple[mx.array, WindowStates]:
+    """A short window (a speculative verify) as one WY chunk.
+
+    Same math as `gated_delta_chunked` with a single chunk of length T, but a
+    fixed number of operations whatever T is (the per-token loop costs T
+    small steps per layer), and instead of the final state it returns
+    `WindowStates`, from which the state after any accepted length is
+    computed on commit. Scalar gating, no mask. Returns y [B, T, Hv, Dv].
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    f32 = mx.float32
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, -2)
+        k = mx.repeat(k, Hv // Hk, -2)
+    # [B, Hv, T, D] layout; keys and queries stacked so each product is one matmul.
+    kq = mx.concatenate([k, q], axis=1).astype(f32).transpose(0, 2, 1, 3)  # [B, Hv, 2T, Dk]
+    kh = kq[..., :T, :]
+    vh = v.astype(f32).transpose(0, 2, 1, 3)
+    bt = beta.astype(f32).transpose(0, 2, 1)  # [B, Hv, T]
+    bcum = mx.cumsum(mx.minimum(mx.log(mx.maximum(g.astype(f32), _F32_TINY)), 0.0), axis=1).transpose(0, 2, 1)
+    incl = mx.tril(mx.ones((T, T), dtype=f32))
+    decay = _exp(mx.minimum(bcum[..., :, None] - bcum[..., None, :], 0.0)) * incl  # [B, Hv, T, T]
+    gam = _exp(bcum)
+
+    state = state.astype(f32)
+    s0_kq = kq @ state.swapaxes(-1, -2)  # [B, Hv, 2T, Dv]: S0 k_t, S0 q_t
+    dots = kh @ kq.swapaxes(-1, -2)  # [B, Hv, T, 2T]: k_t . k_i, k_t . q_i
+    kk, kq = dots[..., :T], dots[..., T:]
+    a = (bt[..., None] * kk) * (decay * mx.tril(mx.ones((T, T), dtype=f32), -1))
+    rhs = bt[..., None] * (vh - gam[..., None] * s0_kq[..., :T, :])
+    delta = _unit_lower_inv(a) @ rhs  # [B, Hv, T, Dv]
+    # y_t = S_t q_t = gam_t S0 q_t + sum_{i<=t} decay[t, i] (k_i . q_t) delta_i
+    y = gam[..., None] * s0_kq[..., T:, :] + (decay * kq.swapaxes(-1, -2)) @ delta
+    return y.transpose(0, 2, 1, 3).astype(q.dtype), WindowStates(state, gam, decay, delta, kh)

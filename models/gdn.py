@@ -28,17 +28,10 @@ from mlx_lm.models.gated_delta import (
 )
 
 from .caches import SpeculativeGDNCache
+from .gated_delta_chunked import gated_delta_chunked, gated_delta_window
 
 # Inputs at least this long take the chunked path where no Metal kernel runs.
 CHUNKED_PREFILL_MIN_TOKENS = 64
-
-
-def _chunked_rule():
-    try:
-        from .gated_delta_chunked import gated_delta_chunked
-    except ImportError:  # pragma: no cover - present once the chunked rule lands
-        return None
-    return gated_delta_chunked
 
 
 def _metal_kernel_available(k: mx.array) -> bool:
@@ -50,6 +43,27 @@ def _metal_kernel_available(k: mx.array) -> bool:
     )
 
 
+class StackedStates:
+    """Every position's state, materialized (the per-token fallback's record)."""
+
+    def __init__(self, states: mx.array):
+        self.states = states  # [B, T, Hv, Dv, Dk]
+
+    @property
+    def length(self) -> int:
+        return self.states.shape[1]
+
+    @property
+    def arrays(self) -> list:
+        return [self.states]
+
+    def after(self, n) -> mx.array:
+        if isinstance(n, int):
+            return self.states[:, n - 1]
+        idx = (n.astype(mx.int32) - 1).reshape(-1, 1, 1, 1, 1)
+        return mx.take_along_axis(self.states, idx, axis=1).squeeze(1)
+
+
 def gated_delta_steps(
     q: mx.array,
     k: mx.array,
@@ -58,11 +72,12 @@ def gated_delta_steps(
     beta: mx.array,
     state: mx.array,
     mask: Optional[mx.array],
-) -> Tuple[mx.array, mx.array]:
-    """Per-token recurrence that also returns the state after each position.
+) -> Tuple[mx.array, StackedStates]:
+    """Per-token recurrence that also keeps the state after each position.
 
     Uses mlx-lm's own step op, so each position is computed exactly as a
-    one-token decode step computes it. Returns y [B,T,Hv,Dv], states [B,T,Hv,Dv,Dk].
+    one-token decode step computes it. The fallback for windows the WY form
+    does not cover (masks, per-dimension gating). Returns y [B,T,Hv,Dv].
     """
     Hk, Hv = q.shape[-2], v.shape[-2]
     if Hv // Hk > 1:
@@ -76,7 +91,7 @@ def gated_delta_steps(
         )
         ys.append(y)
         states.append(state)
-    return mx.stack(ys, axis=1), mx.stack(states, axis=1)
+    return mx.stack(ys, axis=1), StackedStates(mx.stack(states, axis=1))
 
 
 class CapturingGatedDeltaNetMixin:
@@ -123,14 +138,16 @@ class CapturingGatedDeltaNetMixin:
             if state is None:
                 state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
             g = compute_g(self.A_log, a, self.dt_bias)
-            out, states = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
-            cache.record(conv_input, states)
-            state = states[:, -1]
+            if mask is None and g.ndim == 3:
+                out, window = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
+            else:
+                out, window = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
+            cache.record(conv_input, window)
+            state = window.after(S)  # lazy: replaced by the commit's choice, never computed
         else:
-            chunked = _chunked_rule()
-            if chunked is not None and S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
+            if S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
                 g = compute_g(self.A_log, a, self.dt_bias)
-                out, state = chunked(q, k, v, g, mx.sigmoid(b), state, mask)
+                out, state = gated_delta_chunked(q, k, v, g, mx.sigmoid(b), state, mask)
             else:
                 out, state = gated_delta_update(
                     q, k, v, a, b, self.A_log, self.dt_bias, state, mask,

@@ -1,16 +1,18 @@
 """Sampled MTP output has the plain sampler's distribution.
 
 Two-sample chi-square per output position over 1,000 short samples each, at
-temperature 1 with top-k and top-p, on a model whose head is accepted often
+temperature 1 with top-k and top-p, and with penalties and min-p, on a model whose head is accepted often
 enough that acceptance, rejection-with-correction and bonus tokens all occur.
 """
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.prompt_cache import PromptCache
-from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.sampling import SamplingParams, TokenHistory, target_logprobs
 
 N_SAMPLES = 1000
 N_POS = 3
@@ -40,7 +42,11 @@ def chi2_pvalue(a, b):
     return chi2_contingency(table)[1] if len(keys) > 1 else 1.0
 
 
-@pytest.mark.parametrize("params_kw", [{"temperature": 1.0, "top_k": 3, "top_p": 0.95}])
+@pytest.mark.parametrize("params_kw", [
+    {"temperature": 1.0, "top_k": 3, "top_p": 0.95},
+    # Penalties see the drafted prefix as generated history; min-p filters after temperature.
+    {"temperature": 1.0, "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2},
+], ids=["topk-topp", "penalties-minp"])
 def test_mtp_sampling_matches_plain_distribution(params_kw, loaded):
     lm = loaded("qwen3_5", agreeable=True)
     plain, _ = sample_many(lm, 0, 0, params_kw)
@@ -49,6 +55,9 @@ def test_mtp_sampling_matches_plain_distribution(params_kw, loaded):
     for pos in range(N_POS):
         p = chi2_pvalue([s[pos] for s in plain], [s[pos] for s in mtp])
         assert p > 0.001, f"position {pos}: distributions differ (p={p:.2g})"
+    # Pairs of consecutive tokens (the second is drafted after the first within a round).
+    p = chi2_pvalue([tuple(s[1:3]) for s in plain], [tuple(s[1:3]) for s in mtp])
+    assert p > 0.001, f"joint distribution of positions 1-2 differs (p={p:.2g})"
     # The same seed reproduces the same sample.
     again, _ = sample_many(lm, 2, 10**6, params_kw, n=20)
     assert again == mtp[:20]
@@ -60,3 +69,25 @@ def test_rejection_sampler_detects_a_wrong_distribution(loaded):
     a, _ = sample_many(lm, 0, 0, {"temperature": 1.0, "top_k": 3}, n=600)
     b, _ = sample_many(lm, 2, 10**6, {"temperature": 0.5, "top_k": 3}, n=600)
     assert min(chi2_pvalue([s[p] for s in a], [s[p] for s in b]) for p in range(N_POS)) < 0.001
+
+
+def test_verify_and_draft_rows_count_the_drafted_prefix():
+    """Row i of a verify over [x, d1..dK] is scored exactly as a plain step would
+    score it after d1..di were generated (penalties included); so is draft j+1."""
+    V, drafts = 40, [3, 3, 7]
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((len(drafts) + 1, V)).astype(np.float32)
+    logits[:, drafts] += 4.0  # likely tokens, so the penalties move what the filters keep
+    logits = mx.array(logits)
+    history = TokenHistory.start(V, [1, 2, 3])
+    history.add([5, 3])
+    params = SamplingParams(temperature=0.7, top_k=12, min_p=0.02, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2)
+    verify = target_logprobs(logits, params, history, mx.array(drafts))
+    for i in range(len(drafts) + 1):
+        plain = TokenHistory(V, history.prompt_seen, history.output_counts)
+        plain.add(drafts[:i])
+        want = target_logprobs(logits[i : i + 1], params, plain)[0]
+        assert mx.allclose(verify[i], want, atol=1e-6).item(), f"verify row {i}"
+        draft_row = target_logprobs(logits[i : i + 1], params, history, mx.array(drafts[:i]) if i else None)[0]
+        assert mx.allclose(draft_row, want, atol=1e-6).item(), f"draft {i + 1}"
