@@ -7,7 +7,9 @@ position j. The policy picks the K that maximizes B * E[tokens] / t(B, K),
 K = 0 (plain batched decoding) included, so drafting is used only where it
 pays. Round times are measured on the running machine (exponential moving
 averages per batch-size bucket and K); each (bucket, K) is tried a few times
-before the estimates are trusted.
+before the estimates are trusted (its first round, which pays for allocation
+and kernel compilation, is not counted), and every depth is re-measured now
+and then so an estimate cannot go stale.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 EMA = 0.2
-PROBES = 2  # rounds per (bucket, K) before its estimate is used
+PROBES = 2  # measured rounds per (bucket, K) before its estimate is used
+REPROBE_EVERY = 64  # rounds of a bucket after which an unchosen depth is measured again
 PRIOR_ACCEPTANCE = 0.5
 
 
@@ -33,7 +36,9 @@ class DepthPolicy:
     max_depth: int = 3
     fixed: bool = False  # always draft max_depth (tests, benchmarks)
     round_time: Dict[Tuple[int, int], float] = field(default_factory=dict)
-    samples: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    samples: Dict[Tuple[int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
+    last_round: Dict[Tuple[int, int], int] = field(default_factory=dict)  # bucket round count when last run
+    rounds: Dict[int, int] = field(default_factory=dict)  # rounds per bucket
     accepted: List[float] = field(default_factory=list)  # per draft position, EMA of acceptance
 
     def acceptance(self, j: int) -> float:
@@ -52,17 +57,24 @@ class DepthPolicy:
         if self.fixed or top <= 0:
             return max(top, 0)
         bucket = batch_bucket(batch_size)
-        for K in range(top + 1):  # explore before exploiting
-            if self.samples.get((bucket, K), 0) < PROBES:
+        now = self.rounds.get(bucket, 0)
+        for K in range(top + 1):  # explore before exploiting, and re-measure stale depths
+            if self.samples.get((bucket, K), 0) < PROBES + 1 or now - self.last_round[(bucket, K)] > REPROBE_EVERY:
                 return K
         return max(range(top + 1), key=lambda K: self.expected_tokens(K) / self.round_time[(bucket, K)])
 
     def observe(self, batch_size: int, K: int, seconds: float, accepted_per_position: List[Tuple[int, int]]) -> None:
         """Record a round: its wall time, and (accepted, drafted) counts per draft position."""
-        key = (batch_bucket(batch_size), K)
+        bucket = batch_bucket(batch_size)
+        key = (bucket, K)
         n = self.samples.get(key, 0)
-        self.round_time[key] = seconds if n == 0 else (1 - EMA) * self.round_time[key] + EMA * seconds
+        if n == 1:  # the first measured round (round 0 was the warm-up)
+            self.round_time[key] = seconds
+        elif n > 1:
+            self.round_time[key] = (1 - EMA) * self.round_time[key] + EMA * seconds
         self.samples[key] = n + 1
+        self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        self.last_round[key] = self.rounds[bucket]
         for j, (acc, drafted) in enumerate(accepted_per_position):
             if drafted == 0:
                 continue

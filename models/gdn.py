@@ -100,29 +100,27 @@ class CapturingGatedDeltaNetMixin:
     def project(self, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         raise NotImplementedError
 
-    def __call__(
-        self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None
-    ) -> mx.array:
+    def mix(
+        self,
+        inputs: mx.array,
+        conv_state: Optional[mx.array],
+        state: Optional[mx.array],
+        mask: Optional[mx.array] = None,
+        capture: bool = False,
+    ) -> Tuple[mx.array, mx.array, Any]:
+        """The layer as a function of its input and recurrent state (no cache
+        object, so it can be `mx.compile`d). Returns (output, the conv input
+        [B, kernel-1+S, C], the new state) or, with `capture`, the window's
+        per-position states (`WindowStates` / `StackedStates`) instead of the state.
+        """
         B, S, _ = inputs.shape
         qkv, z, b, a = self.project(inputs)
-
-        if cache is not None and cache[0] is not None:
-            conv_state = cache[0]
-        else:
+        if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        if cache is not None:
-            n_keep = self.conv_kernel_size - 1
-            if cache.lengths is not None:
-                ends = mx.clip(cache.lengths, 0, S)
-                positions = (ends[:, None] + mx.arange(n_keep))[..., None]
-                cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
-            else:
-                cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
         conv_out = nn.silu(self.conv1d(conv_input))
-
         q, k, v = [
             t.reshape(B, S, h, d)
             for t, h, d in zip(
@@ -131,35 +129,51 @@ class CapturingGatedDeltaNetMixin:
                 [self.head_k_dim, self.head_k_dim, self.head_v_dim],
             )
         ]
-        state = cache[1] if cache else None
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
 
-        if isinstance(cache, SpeculativeGDNCache) and cache.capturing:
+        if capture:
             if state is None:
                 state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
             g = compute_g(self.A_log, a, self.dt_bias)
             if mask is None and g.ndim == 3:
-                out, window = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
+                out, state = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
             else:
-                out, window = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
-            cache.record(conv_input, window)
-            state = window.after(S)  # lazy: replaced by the commit's choice, never computed
+                out, state = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
+        elif S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
+            g = compute_g(self.A_log, a, self.dt_bias)
+            out, state = gated_delta_chunked(q, k, v, g, mx.sigmoid(b), state, mask)
         else:
-            if S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
-                g = compute_g(self.A_log, a, self.dt_bias)
-                out, state = gated_delta_chunked(q, k, v, g, mx.sigmoid(b), state, mask)
-            else:
-                out, state = gated_delta_update(
-                    q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
-                    use_kernel=not self.training,
-                )
+            out, state = gated_delta_update(
+                q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
+                use_kernel=not self.training,
+            )
+        return self.out_proj(self.norm(out, z).reshape(B, S, -1)), conv_input, state
 
+    def __call__(
+        self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None
+    ) -> mx.array:
+        capture = isinstance(cache, SpeculativeGDNCache) and cache.capturing
+        conv_state, state = (cache[0], cache[1]) if cache is not None else (None, None)
+        out, conv_input, state = self.mix(inputs, conv_state, state, mask, capture)
         if cache is not None:
-            cache[1] = state
-            cache.advance(S)
+            store_step(cache, conv_input, state, inputs.shape[1], capture)
+        return out
 
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, S, -1))
+
+def store_step(cache: Any, conv_input: mx.array, state: Any, S: int, capture: bool) -> None:
+    """Write a GatedDeltaNet step's results into its cache (a capture records its window)."""
+    n_keep = conv_input.shape[1] - S
+    if cache.lengths is not None:
+        ends = mx.clip(cache.lengths, 0, S)
+        positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+        cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+    else:
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    if capture:
+        cache.record(conv_input, state)
+        state = state.after(S)  # lazy: replaced by the commit's choice, never computed
+    cache[1] = state
+    cache.advance(S)
 
 
 class Qwen35GatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_5.GatedDeltaNet):

@@ -14,7 +14,7 @@ layer index.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,10 +32,17 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(H, eps=eps)
         self._embedding_first = embedding_first
 
-    def __call__(self, hidden: mx.array, embeddings: mx.array, cache: Optional[Any] = None) -> mx.array:
-        """hidden [B,T,H] from the backbone (or the previous draft), embeddings of the next tokens."""
+    def __call__(
+        self, hidden: mx.array, embeddings: mx.array, cache: Optional[Any] = None, run_layer: Optional[Callable] = None
+    ) -> mx.array:
+        """hidden [B,T,H] from the backbone (or the previous draft), embeddings of the next tokens.
+
+        `run_layer(layer, x, mask, cache)`, when given, runs the decoder layer
+        (the engine passes its compiled-layer runner)."""
         e = self.pre_fc_norm_embedding(embeddings)
         h = self.pre_fc_norm_hidden(hidden)
         z = self.fc(mx.concatenate([e, h] if self._embedding_first else [h, e], axis=-1))
-        z = self.layers[0](z, mask=create_attention_mask(z, cache), cache=cache)
+        mask = create_attention_mask(z, cache)
+        layer = self.layers[0]
+        z = run_layer(layer, z, mask, cache) if run_layer is not None else layer(z, mask=mask, cache=cache)
         return self.norm(z)

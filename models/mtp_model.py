@@ -15,6 +15,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from .caches import SpeculativeGDNCache
+from .compiled_steps import CompiledLayers
 from .model_card import ModelCard
 from .mtp_head import MTPHead
 
@@ -26,6 +27,9 @@ class MTPModel:
         self.head = head
         self.card = card
         self.model_type = model_type
+        # Short decode inputs run through compiled layers (see compiled_steps.py);
+        # None runs mlx-lm's layers as they are.
+        self.compiled: Optional[CompiledLayers] = CompiledLayers()
 
     @property
     def inner(self) -> nn.Module:
@@ -60,12 +64,13 @@ class MTPModel:
         h = inner.embed_tokens(tokens)
         fa_mask = create_attention_mask(h, cache[inner.fa_idx])
         ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+        run = self.compiled or (lambda layer, h, mask, cache: layer(h, mask=mask, cache=cache))
         for layer, c in zip(self.layers, cache):
-            h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+            h = run(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
         post = inner.norm(h)
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
-        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache)
+        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.compiled)
         return out, self.lm_head(out)

@@ -121,3 +121,25 @@ def test_batched_sampling_matches_plain_distribution(loaded):
         keys = sorted(set(a) | set(b))
         p = chi2_contingency([[a.count(k) for k in keys], [b.count(k) for k in keys]])[1]
         assert p > 0.001, f"position {pos}: p={p:.2g}"
+
+
+def test_depth_policy_picks_the_measured_best_and_ignores_warm_up_rounds():
+    cost = {0: 0.010, 1: 0.012, 2: 0.015}  # seconds per batched round of 4 rows
+
+    def run(policy, acceptance, rounds):
+        chosen = []
+        for _ in range(rounds):
+            K = policy.choose(4, 2)
+            first = policy.samples.get((4, K), 0) == 0
+            # the first round of each depth is slow (allocation, kernel compilation)
+            policy.observe(4, K, cost[K] * (50 if first else 1), [(round(4 * acceptance), 4)] * K)
+            chosen.append(K)
+        return chosen
+
+    good = DepthPolicy(max_depth=2)
+    chosen = run(good, 0.9, 40)
+    assert chosen[-10:] == [2] * 10, chosen  # 1 + .9 + .81 tokens for 1.5x the cost of a plain round
+    bad = DepthPolicy(max_depth=2)
+    chosen = run(bad, 0.1, 200)
+    assert chosen[-10:] == [0] * 10, chosen  # drafting never pays at 10% acceptance
+    assert chosen[20:].count(1) + chosen[20:].count(2) >= 2  # ... but stale depths are re-measured now and then

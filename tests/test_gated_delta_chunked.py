@@ -8,7 +8,9 @@ from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 from mtp_serve.models.gated_delta_chunked import (
     _unit_lower_inv,
     gated_delta_chunked,
+    gated_delta_window,
 )
+from mtp_serve.models.gdn import gated_delta_steps
 
 RTOL = 1e-4
 
@@ -171,3 +173,18 @@ def test_correlated_keys():
         y1, s1 = gated_delta_chunked(q, k, v, g, beta, chunk_size=64, inverse=inverse)
         _close(y1, y0)
         _close(s1, s0)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("B,Hk,Hv", [(1, 2, 4), (3, 1, 1)])
+def test_verify_window_matches_per_token_steps(T, B, Hk, Hv):
+    """The WY verify window gives the per-token path's outputs and, on demand,
+    the state after any accepted length, per row."""
+    q, k, v, g, beta, s = _inputs(B, T, Hk, Hv, 32, 16, seed=T + B)
+    y_ref, steps = gated_delta_steps(q, k, v, g, beta, s, None)
+    y, window = gated_delta_window(q, k, v, g, beta, s)
+    _close(y, y_ref)
+    for n in range(1, T + 1):
+        _close(window.after(n), steps.after(n))
+    per_row = mx.array([1 + (i * 2) % T for i in range(B)])
+    _close(window.after(per_row), steps.after(per_row))

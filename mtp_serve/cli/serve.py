@@ -107,6 +107,14 @@ def main(argv=None) -> int:
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"{BACKEND.note}", flush=True)
+    from mtp_serve.engine.warmup import warm_up
+
+    log = logging.getLogger("mtp_serve")
+    log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
+    try:
+        log.info("warm-up took %.1fs", warm_up(loaded.model, depth))
+    except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
+        log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
