@@ -9,8 +9,10 @@ building, which measured ~30% off a demo-model decode step on this CPU.
 What is compiled is a pure function of arrays (the layer's weights are
 captured as constants, so the model's weights must not change after the
 first call). GatedDeltaNet layers are compiled whole: cache in, cache out.
-Attention layers keep mlx-lm's cache update and attention uncompiled and get
-their MLP half compiled. Everything else (prefill, masked batches, long
+Attention layers are compiled in two parts around mlx-lm's own cache update
+and attention (whose key length grows every step): projections, norms and
+RoPE (the offset passed as an array, so one trace serves every position);
+then gate, output projection, residual and MLP. Everything else (prefill, masked batches, long
 inputs) goes through the layers as mlx-lm defines them. Without a C++
 compiler MLX runs compiled functions unfused, with the same results.
 """
@@ -21,6 +23,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
@@ -47,8 +51,16 @@ class CompiledLayers:
         if T > MAX_COMPILED_TOKENS:
             return layer(h, mask=mask, cache=cache)
         if not layer.is_linear:
-            r = layer.self_attn(layer.input_layernorm(h), mask, cache)
-            return self._get(layer, "mlp")(h + r)
+            if cache is None or type(layer.self_attn) is not Qwen3NextAttention:
+                r = layer.self_attn(layer.input_layernorm(h), mask, cache)
+                return self._get(layer, "mlp")(h + r)
+            # Projections, norms and RoPE compiled; the cache update and attention over
+            # the (growing) cache as mlx-lm does them; output, residual and MLP compiled.
+            offset = cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset)
+            q, k, v, gate = self._get(layer, "attn_in")(h, offset)
+            k, v = cache.update_and_fetch(k, v)
+            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=layer.self_attn.scale, mask=mask)
+            return self._get(layer, "attn_out")(h, out, gate)
         capture = isinstance(cache, SpeculativeGDNCache) and cache.capturing
         if (
             mask is not None
@@ -76,6 +88,35 @@ def _mlp_half(layer: nn.Module) -> Callable:
     return step
 
 
+def _attention_in(layer: nn.Module) -> Callable:
+    """Qwen3NextAttention up to the cache update (mlx-lm's operations, same order)."""
+    attn = layer.self_attn
+
+    def step(x: mx.array, offset: mx.array):
+        B, L, _ = x.shape
+        h = layer.input_layernorm(x)
+        queries, gate = mx.split(attn.q_proj(h).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        keys, values = attn.k_proj(h), attn.v_proj(h)
+        queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+        keys = attn.rope(attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3), offset=offset)
+        values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values, gate.reshape(B, L, -1)
+
+    return step
+
+
+def _attention_out(layer: nn.Module) -> Callable:
+    """Qwen3NextAttention after the attention, then the residual and the MLP half."""
+    attn = layer.self_attn
+
+    def step(x: mx.array, out: mx.array, gate: mx.array) -> mx.array:
+        B, L, _ = x.shape
+        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return step
+
+
 def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         r, conv_input, st = layer.linear_attn.mix(layer.input_layernorm(x), conv_state, state, capture=capture)
@@ -90,6 +131,8 @@ def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
 
 _BUILDERS = {
     "mlp": _mlp_half,
+    "attn_in": _attention_in,
+    "attn_out": _attention_out,
     "gdn_step": lambda layer: _gdn_layer(layer, capture=False),
     "gdn_window": lambda layer: _gdn_layer(layer, capture=True),
 }

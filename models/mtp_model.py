@@ -14,6 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
+from mtp_serve.backend import blas_threads_for
+
 from .caches import SpeculativeGDNCache
 from .compiled_steps import CompiledLayers
 from .model_card import ModelCard
@@ -61,6 +63,7 @@ class MTPModel:
     def forward(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
         """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V])."""
         inner = self.inner
+        blas_threads_for(tokens.size)
         h = inner.embed_tokens(tokens)
         fa_mask = create_attention_mask(h, cache[inner.fa_idx])
         ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
@@ -72,5 +75,6 @@ class MTPModel:
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
+        blas_threads_for(next_tokens.size)
         out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.compiled)
         return out, self.lm_head(out)
