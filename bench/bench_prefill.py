@@ -11,7 +11,9 @@ produces the logits. The two paths run alternately, ``--repeats`` times
 each; the table reports the best (min) time of each and their ratio.
 
 A second table times the recurrence alone (one layer's shapes) for the same
-lengths: ``gated_delta_ops`` versus ``gated_delta_chunked``.
+lengths: ``gated_delta_ops`` versus ``gated_delta_chunked``. A third runs the
+shipped demo checkpoint end to end: stock ``mlx_lm.load`` and its forward
+against this project's loader and forward (chunked rule included).
 
     python bench/bench_prefill.py --lengths 512 2048 8192 --json out.json
 """
@@ -145,6 +147,62 @@ def fmt_row(cols, widths):
     return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
 
 
+def compare(title: str, lengths, repeats: int, make_input, runs: dict, err_label: str) -> list:
+    """Two paths side by side per length, alternating their order each repeat.
+
+    `runs` maps two names (reference first) to fn(input) -> (seconds, output);
+    prints the best time of each, their ratio and the outputs' relative error.
+    """
+    (a, b), widths = list(runs), [7, 10, 10, 8, 10]
+    print(f"\n{title} (best of {repeats}, seconds)")
+    print(fmt_row(["tokens", a, b, "ratio", err_label], widths))
+    rows = []
+    for T in lengths:
+        x = make_input(T)
+        times, outs = {a: [], b: []}, {}
+        for r in range(repeats):
+            for name in ((a, b) if r % 2 == 0 else (b, a)):
+                dt, outs[name] = runs[name](x)
+                times[name].append(dt)
+        best = {k: min(v) for k, v in times.items()}
+        err = rel_err(outs[b], outs[a])
+        ratio = best[a] / best[b]
+        print(fmt_row([T, f"{best[a]:.3f}", f"{best[b]:.3f}", f"{ratio:.1f}x", f"{err:.1e}"], widths), flush=True)
+        rows.append({"tokens": T, f"{a}_s": times[a], f"{b}_s": times[b], "ratio_best": ratio,
+                     f"{a}_median_s": statistics.median(times[a]), f"{b}_median_s": statistics.median(times[b]),
+                     f"{a}_tok_per_s": T / best[a], f"{b}_tok_per_s": T / best[b], "rel_err": err})
+    return rows
+
+
+def demo_rows(args) -> list:
+    """The shipped checkpoint end to end: stock mlx-lm (`mlx_lm.load`, fp32, its
+    per-token GatedDeltaNet loop) against this project's loader and forward."""
+    from mlx.utils import tree_map
+    from mlx_lm import load as mlx_lm_load
+
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import load_model
+
+    path = args.demo_model or default_model_path()
+    ref, _ = mlx_lm_load(path)
+    ref.update(tree_map(lambda x: x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x, ref.parameters()))
+    ours = load_model(path).model
+
+    def ours_prefill(tokens: mx.array):
+        cache = ours.make_cache()
+        t0 = time.perf_counter()
+        for i in range(0, tokens.shape[0], args.prefill_step):
+            _, logits = ours.forward(tokens[None, i : i + args.prefill_step], cache)
+            mx.eval(logits, [c.state for c in cache])
+        return time.perf_counter() - t0, logits[:, -1, :]
+
+    runs = {"mlx-lm": lambda x: prefill(ref, x, args.prefill_step), "ours": ours_prefill}
+    for run in runs.values():  # warm-up
+        run(mx.random.randint(0, ours.vocab_size, (80,)))
+    return compare(f"prefill, {path} end to end: stock mlx-lm vs mtp-serve", args.lengths, args.repeats,
+                   lambda T: mx.random.randint(0, ours.vocab_size, (T,)), runs, "logit err")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -153,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-step", type=int, default=2048, help="mlx-lm's prefill_step_size")
     ap.add_argument("--skip-model", action="store_true", help="only the op-level table")
     ap.add_argument("--skip-op", action="store_true", help="only the model table")
+    ap.add_argument("--skip-demo", action="store_true", help="skip the demo-model table")
+    ap.add_argument("--demo-model", default=None, help="checkpoint for the end-to-end table (default: the demo model)")
     ap.add_argument("--json", type=str, default=None, help="write results here")
     args = ap.parse_args(argv)
 
@@ -168,8 +228,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
     }
     print(f"mlx {info['mlx']} on {info['device']}; {info['backend']}")
-    results = {"info": info, "model": [], "op": []}
-    paths = ["ops", "chunked"]
+    results = {"info": info}
 
     if not args.skip_model:
         model = build_model()
@@ -178,77 +237,32 @@ def main(argv=None) -> int:
             f"model: {TEXT_CONFIG['num_hidden_layers']} layers ({n_gdn} GatedDeltaNet), "
             f"hidden {TEXT_CONFIG['hidden_size']}, fp32, random weights"
         )
-        # Warm up both paths (compiled helpers, first-call allocations).
+
+        def run(path):
+            def go(tokens):
+                with gdn_path(path, args.chunk_size):
+                    return prefill(model, tokens, args.prefill_step)
+            return go
+
+        runs = {p: run(p) for p in ("ops", "chunked")}
         warm = mx.random.randint(0, TEXT_CONFIG["vocab_size"], (80,))
-        for p in paths:
-            with gdn_path(p, args.chunk_size):
-                prefill(model, warm, args.prefill_step)
-        widths = [7, 10, 10, 8, 10]
-        print("\nprefill, whole model (best of %d, seconds)" % args.repeats)
-        print(fmt_row(["tokens", "ops", "chunked", "ratio", "logit err"], widths))
-        for T in args.lengths:
-            tokens = mx.random.randint(0, TEXT_CONFIG["vocab_size"], (T,))
-            times = {p: [] for p in paths}
-            logits = {}
-            for r in range(args.repeats):
-                order = paths if r % 2 == 0 else paths[::-1]
-                for p in order:
-                    with gdn_path(p, args.chunk_size):
-                        dt, logits[p] = prefill(model, tokens, args.prefill_step)
-                    times[p].append(dt)
-            best = {p: min(v) for p, v in times.items()}
-            err = rel_err(logits["chunked"], logits["ops"])
-            ratio = best["ops"] / best["chunked"]
-            print(fmt_row([T, f"{best['ops']:.3f}", f"{best['chunked']:.3f}", f"{ratio:.1f}x", f"{err:.1e}"], widths), flush=True)
-            results["model"].append({
-                "tokens": T,
-                "ops_s": times["ops"],
-                "chunked_s": times["chunked"],
-                "ops_best_s": best["ops"],
-                "chunked_best_s": best["chunked"],
-                "ops_median_s": statistics.median(times["ops"]),
-                "chunked_median_s": statistics.median(times["chunked"]),
-                "ratio_best": ratio,
-                "ops_tok_per_s": T / best["ops"],
-                "chunked_tok_per_s": T / best["chunked"],
-                "last_logits_rel_err": err,
-            })
+        for go in runs.values():  # compiled helpers, first-call allocations
+            go(warm)
+        results["model"] = compare("prefill, whole model", args.lengths, args.repeats,
+                                   lambda T: mx.random.randint(0, TEXT_CONFIG["vocab_size"], (T,)), runs, "logit err")
 
     if not args.skip_op:
         c = TEXT_CONFIG
-        print(
-            "\nrecurrence only, one layer: B=1, Hk=Hv=%d, Dk=Dv=%d (best of %d, seconds)"
-            % (c["linear_num_value_heads"], c["linear_key_head_dim"], args.repeats)
-        )
-        widths = [7, 10, 10, 8, 10]
-        print(fmt_row(["tokens", "ops", "chunked", "ratio", "y err"], widths))
-        ops_fn = lambda x: gated_delta_ops(*x)  # noqa: E731
-        ch_fn = lambda x: gated_delta_chunked(*x, chunk_size=args.chunk_size)  # noqa: E731
-        x = op_inputs(64)
-        mx.eval(ops_fn(x), ch_fn(x))
-        for T in args.lengths:
-            x = op_inputs(T)
-            times = {p: [] for p in paths}
-            outs = {}
-            for r in range(args.repeats):
-                order = paths if r % 2 == 0 else paths[::-1]
-                for p in order:
-                    fn = ops_fn if p == "ops" else ch_fn
-                    dt, outs[p] = timed(lambda: fn(x))
-                    times[p].append(dt)
-            best = {p: min(v) for p, v in times.items()}
-            err = rel_err(outs["chunked"][0], outs["ops"][0])
-            ratio = best["ops"] / best["chunked"]
-            print(fmt_row([T, f"{best['ops']:.3f}", f"{best['chunked']:.4f}", f"{ratio:.1f}x", f"{err:.1e}"], widths), flush=True)
-            results["op"].append({
-                "tokens": T,
-                "ops_s": times["ops"],
-                "chunked_s": times["chunked"],
-                "ops_best_s": best["ops"],
-                "chunked_best_s": best["chunked"],
-                "ratio_best": ratio,
-                "y_rel_err": err,
-            })
+        runs = {"ops": lambda x: timed(lambda: gated_delta_ops(*x)[0]),
+                "chunked": lambda x: timed(lambda: gated_delta_chunked(*x, chunk_size=args.chunk_size)[0])}
+        for go in runs.values():
+            go(op_inputs(64))
+        results["op"] = compare(
+            "recurrence only, one layer: B=1, Hk=Hv=%d, Dk=Dv=%d" % (c["linear_num_value_heads"], c["linear_key_head_dim"]),
+            args.lengths, args.repeats, op_inputs, runs, "y err")
+
+    if not args.skip_demo:
+        results["demo"] = demo_rows(args)
 
     if args.json:
         with open(args.json, "w") as f:
