@@ -61,6 +61,7 @@ class RequestHandle:
     prompt: List[int]
     params: SamplingParams
     depth: int
+    checkpoints: tuple
     _loop: asyncio.AbstractEventLoop
     _queue: asyncio.Queue
     _engine: "EngineLoop"
@@ -112,10 +113,12 @@ class EngineLoop:
 
     # -- asyncio side
 
-    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0) -> RequestHandle:
-        """Queue a request; call from the event loop that will iterate the handle."""
+    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0, checkpoints: tuple = ()) -> RequestHandle:
+        """Queue a request; call from the event loop that will iterate the handle.
+
+        `checkpoints`: prompt lengths at which to keep a prompt-cache snapshot."""
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(next(self._ids), list(prompt), params, depth, loop, asyncio.Queue(), self)
+        handle = RequestHandle(next(self._ids), list(prompt), params, depth, tuple(checkpoints), loop, asyncio.Queue(), self)
         with self._cond:
             if not self._running:
                 raise EngineStopped("the engine is not running")
@@ -194,7 +197,7 @@ class EngineLoop:
 
     def _admit(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth)
+            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth, handle.checkpoints)
         except Exception as e:  # noqa: BLE001 - reported to the request, the loop goes on
             log.warning("request %d rejected by the engine: %s", handle.id, e)
             self._finish(handle, EngineError(f"{type(e).__name__}: {e}"))

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from mtp_serve.models.mtp_model import MTPModel
 
-from .prompt_cache import PromptCache, take_snapshot
+from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
 from .sampling import SamplingParams, normalize
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, mtp_round, plain_step, prefill
@@ -40,9 +40,15 @@ class GenerationChunk:
     logprobs: Optional[List[TokenLogprob]] = None
 
 
+# What a token the sampling filters removed (log-probability -inf) reports: JSON has
+# no infinity, and OpenAI-compatible servers (vLLM) use this floor.
+LOGPROB_FLOOR = -9999.0
+
+
 def token_logprobs(tokens: List[int], rows: mx.array, top_n: int) -> List[TokenLogprob]:
-    """Log-probabilities of the emitted tokens under the target distribution."""
-    rows = normalize(rows[: len(tokens)])  # greedy rows come unnormalized
+    """Log-probabilities of the emitted tokens under the target distribution (the
+    one sampled from: after penalties, temperature and the top-k/top-p/min-p filters)."""
+    rows = mx.maximum(normalize(rows[: len(tokens)]), LOGPROB_FLOOR)  # greedy rows come unnormalized
     chosen = rows[mx.arange(len(tokens)), mx.array(tokens)]
     if top_n > 0:
         top_idx = mx.argsort(-rows, axis=-1)[:, :top_n]
@@ -66,7 +72,7 @@ def run_sequence(model: MTPModel, tokenizer, seq: Sequence, prompt_cache=None) -
     stops = StopChecker(tokenizer, seq.params)
     stats = seq.stats
     t0 = time.perf_counter()
-    step = lambda: prefill(model, seq)  # noqa: E731
+    step = lambda: prefill(model, seq, on_checkpoint=checkpoint_saver(prompt_cache))  # noqa: E731
     first = True
     while True:
         tokens, lp_rows = step()
@@ -98,6 +104,7 @@ def generate(
     params: SamplingParams,
     depth: int = 0,
     prompt_cache: Optional[PromptCache] = None,
+    checkpoints: tuple = (),
 ) -> Iterator[GenerationChunk]:
-    seq = new_sequence(model, prompt, params, depth, prompt_cache)
+    seq = new_sequence(model, prompt, params, depth, prompt_cache, checkpoints)
     return run_sequence(model, tokenizer, seq, prompt_cache)

@@ -4,8 +4,10 @@ A snapshot holds the caches after some token prefix: attention KV, the
 GatedDeltaNet conv window and state, the MTP head's KV, and the backbone
 hiddens whose head entries are still owed. GatedDeltaNet state cannot be
 rolled back, so a snapshot is reusable only by a prompt that extends its
-tokens exactly; two are kept per request: after the prompt, and at the end
-of the reply (an agent's next turn extends one or the other).
+tokens exactly. Up to three are kept per request: at its checkpoints (the
+server puts one where the generation prompt starts, so an agent's next turn,
+which re-renders the previous reply, still reuses everything before it),
+after the prompt, and at the end of the reply.
 Least recently used snapshots go first when over the entry or byte budget.
 """
 
@@ -71,6 +73,13 @@ def take_snapshot(tokens: Seq[int], cache: List[Any], head_cache: Optional[KVCac
     )
     mx.eval([c.state for c in snap.cache])
     return snap
+
+
+def checkpoint_saver(prompt_cache: Optional["PromptCache"]):
+    """`prefill`'s on_checkpoint callback: snapshot the caches holding the first n prompt tokens."""
+    if prompt_cache is None:
+        return None
+    return lambda seq, n: prompt_cache.store(take_snapshot(seq.prompt[:n], seq.cache, seq.head_cache, seq.pending_hidden))
 
 
 class PromptCache:

@@ -26,7 +26,7 @@ from mtp_serve.models.mtp_model import MTPModel
 from .batch import Batch, extract_caches
 from .generator import GenerationChunk, token_logprobs
 from .policy import DepthPolicy
-from .prompt_cache import PromptCache, take_snapshot
+from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
 from .sampling import SamplingParams
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, batched_round, mtp_round, plain_step, prefill
@@ -67,8 +67,8 @@ class Scheduler:
 
     # -- requests
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, depth: int) -> None:
-        seq = new_sequence(self.model, prompt, params, depth, self.prompt_cache)
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, depth: int, checkpoints: tuple = ()) -> None:
+        seq = new_sequence(self.model, prompt, params, depth, self.prompt_cache, checkpoints)
         row = Row(key, seq, StopChecker(self.tokenizer, params), time.perf_counter())
         self.rows[key] = row
         self.prefilling.append(row)
@@ -94,7 +94,7 @@ class Scheduler:
         if self.prefilling and len(self.running) < self.max_batch_size:
             row = self.prefilling[0]
             try:
-                emitted = prefill(self.model, row.seq, self.prefill_chunk)
+                emitted = prefill(self.model, row.seq, self.prefill_chunk, checkpoint_saver(self.prompt_cache))
             except Exception as e:  # noqa: BLE001 - reported to this request only
                 self._forget(self.prefilling.popleft())
                 out.append((row.key, e))

@@ -32,6 +32,9 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose state came from a snapshot
     prefilled: int = 0  # prompt tokens forwarded so far (after the cached ones)
     last_logits: Optional[mx.array] = None  # logits at the last prefilled position
+    # Prompt lengths at which prefill stops for a prompt-cache snapshot (e.g. where the
+    # generation prompt starts: an agent's next turn shares everything before it).
+    checkpoints: tuple = ()
 
     def cache_tokens(self) -> List[int]:
         """The tokens the backbone caches hold now (all but the primary)."""
@@ -46,7 +49,8 @@ class Sequence:
         return self.depth > 0
 
 
-def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, prompt_cache=None) -> Sequence:
+def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, prompt_cache=None,
+                 checkpoints: tuple = ()) -> Sequence:
     """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
@@ -61,6 +65,7 @@ def new_sequence(model, prompt: List[int], params: SamplingParams, depth: int, p
         rng=Rng(params.seed),
         history=TokenHistory.start(model.vocab_size, prompt) if params.has_penalties else TokenHistory(model.vocab_size),
         stats=DecodeStats(depth=depth, prompt_tokens=len(prompt)),
+        checkpoints=tuple(checkpoints),
     )
     snap = prompt_cache.lookup(prompt, needs_head=seq.tracks_head) if prompt_cache is not None else None
     if snap is not None:

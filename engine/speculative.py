@@ -11,7 +11,7 @@ pairs (H[p], x[p+1]) whose head entries are still owed, the last of which is
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -30,22 +30,40 @@ PREFILL_CHUNK = 1024
 MAX_OWED_PAIRS = 32
 
 
-def prefill(model: MTPModel, seq: Sequence, max_tokens: Optional[int] = None) -> Optional[Emitted]:
+def prefill(
+    model: MTPModel,
+    seq: Sequence,
+    max_tokens: Optional[int] = None,
+    on_checkpoint: Optional[Callable[[Sequence, int], None]] = None,
+) -> Optional[Emitted]:
     """Forward the next prompt tokens past those already in the caches.
 
     With `max_tokens`, forwards at most that many (chunked prefill, resumable)
     and returns None while prompt tokens remain; once the whole prompt is in,
-    samples and returns the first token.
+    samples and returns the first token. The head runs over the prompt as it
+    goes (its KV is warm for the first draft; only the last position's pair,
+    whose next token is not sampled yet, stays owed). `on_checkpoint(seq, n)`
+    is called when the caches hold exactly the first n prompt tokens, for each
+    n in `seq.checkpoints` (a chunk ends there).
     """
     start = seq.cached_tokens + seq.prefilled
     end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), start + max_tokens)
-    for i in range(start, end, PREFILL_CHUNK):
-        hidden, logits = model.forward(mx.array([seq.prompt[i : min(end, i + PREFILL_CHUNK)]]), seq.cache)
-        if seq.tracks_head:
-            seq.pending_hidden = hidden if seq.pending_hidden is None else mx.concatenate([seq.pending_hidden, hidden], axis=1)
-        mx.eval(logits, seq.pending_hidden if seq.tracks_head else [], [c.state for c in seq.cache])
-        seq.last_logits = logits[:, -1]
-    seq.prefilled += end - start
+    stops = sorted({n for n in seq.checkpoints if start < n < end} | {end})
+    i = start
+    for stop in stops:
+        for j in range(i, stop, PREFILL_CHUNK):
+            k = min(stop, j + PREFILL_CHUNK)
+            hidden, logits = model.forward(mx.array([seq.prompt[j:k]]), seq.cache)
+            if seq.tracks_head:
+                seq.pending_hidden = hidden if seq.pending_hidden is None else mx.concatenate([seq.pending_hidden, hidden], axis=1)
+                known = min(k, len(seq.prompt) - 1) - seq.head_cache.offset  # pairs whose next token is in the prompt
+                absorb_head_pairs(model, seq, known, seq.prompt[seq.head_cache.offset + 1 : seq.head_cache.offset + 1 + known])
+            mx.eval(logits, seq.pending_hidden if seq.tracks_head else [], [c.state for c in seq.cache])
+            seq.last_logits = logits[:, -1]
+        seq.prefilled += stop - i
+        i = stop
+        if on_checkpoint is not None and stop in seq.checkpoints:
+            on_checkpoint(seq, stop)
     if end < len(seq.prompt):
         return None
     lp = target_logprobs(seq.last_logits, seq.params, seq.history)
@@ -69,15 +87,22 @@ def plain_step(model: MTPModel, seq: Sequence) -> Emitted:
     return [token], lp
 
 
+def absorb_head_pairs(model: MTPModel, seq: Sequence, n: int, next_tokens: List[int]) -> None:
+    """Run the head over the first n owed pairs (their hiddens and `next_tokens`)."""
+    if n <= 0:
+        return
+    model.draft(seq.pending_hidden[:, :n], mx.array([next_tokens[:n]]), seq.head_cache)
+    mx.eval(seq.head_cache.state)  # keep the lazy graph bounded
+    seq.pending_hidden = seq.pending_hidden[:, n:]
+
+
 def owe_head_pairs(model: MTPModel, seq: Sequence, hidden: mx.array, next_tokens: List[int]) -> None:
     """Record pairs the head has not seen yet; absorb them once they pile up (plain steps)."""
     seq.pending_hidden = mx.concatenate([seq.pending_hidden, hidden], axis=1)
     seq.pending_tokens = seq.pending_tokens + next_tokens
     if len(seq.pending_tokens) > MAX_OWED_PAIRS:
         n = len(seq.pending_tokens) - 1  # keep the last pair: it yields the next first draft
-        model.draft(seq.pending_hidden[:, :n], mx.array([seq.pending_tokens[:n]]), seq.head_cache)
-        mx.eval(seq.head_cache.state)  # keep the lazy graph bounded on long plain runs
-        seq.pending_hidden = seq.pending_hidden[:, n:]
+        absorb_head_pairs(model, seq, n, seq.pending_tokens)
         seq.pending_tokens = seq.pending_tokens[n:]
 
 

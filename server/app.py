@@ -131,9 +131,9 @@ class Service:
     def depth(self, req) -> int:
         return req.mtp_depth if req.mtp_depth is not None else self.config.mtp_depth
 
-    def submit(self, ids: List[int], params: SamplingParams, depth: int) -> RequestHandle:
+    def submit(self, ids: List[int], params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
         try:
-            return self.engine.submit(ids, params, depth)
+            return self.engine.submit(ids, params, depth, checkpoints)
         except QueueFull as e:
             raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineStopped as e:
@@ -302,7 +302,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         room = svc.check_context(len(prompt.ids), "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = svc.sampling(req, req.max_completion_tokens or req.max_tokens, room, top)
-        handle = svc.submit(prompt.ids, params, svc.depth(req))
+        handle = svc.submit(prompt.ids, params, svc.depth(req), prompt.checkpoints)
         rid, created, timing = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), Timing(svc.metrics, start)
         path = request.url.path
         if req.stream:

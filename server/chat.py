@@ -39,6 +39,7 @@ from mtp_serve.server.parsers import (
 from mtp_serve.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
 
 TOOL_PARSERS = ("auto", "qwen3_coder", "hermes", "none")
+TURN_START = "<|im_start|>"  # ChatML, as every Qwen template uses
 REASONING_PARSERS = ("auto", "qwen3", "none")
 
 
@@ -50,6 +51,7 @@ class ChatPrompt:
     opens_reasoning: bool  # the prompt ends inside an open think block
     tool_parser: str  # parser for this request's output ("none" when not parsing tools)
     tools: Optional[list]  # OpenAI tools as dicts
+    checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
 
 
 def hf_tokenizer(tokenizer):
@@ -72,6 +74,18 @@ class ChatFormat:
             reasoning_parser = card.reasoning_parser
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        turn = self.tokenizer.convert_tokens_to_ids(TURN_START)
+        self.turn_start_id = turn if isinstance(turn, int) and self.tokenizer.convert_ids_to_tokens(turn) == TURN_START else None
+
+    def checkpoints(self, ids: List[int]) -> tuple:
+        """Where the last turn (the generation prompt) starts. An agent's next request
+        repeats everything before it, while the reply after it comes back re-rendered
+        (reasoning dropped, arguments reformatted), so a snapshot there is what the
+        next turn can reuse."""
+        if self.turn_start_id is None or self.turn_start_id not in ids:
+            return ()
+        last = len(ids) - 1 - ids[::-1].index(self.turn_start_id)
+        return (last,) if last > 0 else ()
 
     # -- prompt
 
@@ -106,7 +120,7 @@ class ChatFormat:
             forced = ("</think>\n\n" if opens else "") + forced_tool_prefix(parser, name)
         text += forced
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ChatPrompt(text, ids, forced, opens, parser, tools)
+        return ChatPrompt(text, ids, forced, opens, parser, tools, self.checkpoints(ids))
 
     # -- output
 

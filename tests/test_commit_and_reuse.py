@@ -62,9 +62,10 @@ def test_commit_after_rejection_equals_cold_forward(family, loaded):
     assert seq.pending_tokens == committed[n + 1 :] + [seq.primary]
 
 
-def _run(lm, prompt, depth, cache=None, max_tokens=24):
+def _run(lm, prompt, depth, cache=None, max_tokens=24, checkpoints=()):
     out, stats = [], None
-    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), depth, cache):
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), depth, cache,
+                          checkpoints):
         out += chunk.token_ids
         stats = chunk.stats
     return out, stats
@@ -90,6 +91,20 @@ def test_multi_turn_reuse_matches_cold_run(depth, loaded):
     warm_b, stats_b = _run(lm, turn2b, depth, cache)
     assert stats_b.cached_tokens == len(turn1)
     assert warm_b == _run(lm, turn2b, depth)[0]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_checkpoint_serves_a_prompt_that_diverges_after_it(depth, loaded):
+    """A snapshot taken mid-prefill (where the server puts the generation prompt's
+    start) serves a next prompt that shares only the tokens before it."""
+    lm = loaded("qwen3_5", agreeable=True)
+    cache = PromptCache()
+    shared = list(range(10, 50))
+    _run(lm, shared + [7, 8, 9], depth, cache, checkpoints=(len(shared),))
+    nxt = shared + [60, 61, 62, 63]
+    warm, stats = _run(lm, nxt, depth, cache)
+    assert stats.cached_tokens == len(shared)
+    assert warm == _run(lm, nxt, depth)[0]
 
 
 def test_prompt_cache_is_bounded_lru():

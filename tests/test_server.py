@@ -42,7 +42,8 @@ def client(server, **kw) -> openai.OpenAI:
 
 def chat(server, messages=MSGS, **kw):
     kw.setdefault("max_tokens", 16)
-    return client(server).chat.completions.create(model="test-model", messages=messages, temperature=0, **kw)
+    kw.setdefault("model", "test-model")
+    return client(server).chat.completions.create(messages=messages, temperature=0, **kw)
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -144,6 +145,14 @@ def test_logprobs(mtp_server):
     comp = client(mtp_server).completions.create(model="test-model", prompt="abc", max_tokens=5, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 5 and len(lp.top_logprobs[0]) == 2 and all(x <= 0 for x in lp.token_logprobs)
+
+    # Sampling filters leave tokens at probability 0: reported as a finite floor (JSON has no -inf).
+    for kw in ({"top_k": 1}, {"top_p": 0.01}):
+        comp = client(mtp_server).completions.create(model="test-model", prompt="abc", max_tokens=4, temperature=0.8,
+                                                      seed=3, logprobs=3, extra_body=kw)
+        tops = comp.choices[0].logprobs.top_logprobs
+        assert all(1 < len(t) <= 3 and min(t.values()) == -9999.0 for t in tops), tops  # (texts may coincide)
+        assert all(x == pytest.approx(0.0, abs=1e-5) for x in comp.choices[0].logprobs.token_logprobs)
 
 
 def test_sampling_parameters_accepted(mtp_server):
@@ -327,3 +336,32 @@ def _up(url) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.fixture(scope="module")
+def demo_servers():
+    """The demo model (a real Qwen3.5-style template: the generation prompt opens a think
+    block the next turn's re-rendering drops), with MTP and without."""
+    from mtp_serve.models.demo_model import DEMO_MODEL_DIR
+
+    servers = [serve(DEMO_MODEL_DIR, served_model_name="demo", mtp_depth=2), serve(DEMO_MODEL_DIR, served_model_name="demo")]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def test_next_turn_reuses_the_prompt_before_a_re_rendered_reply(demo_servers):
+    """Agents send the previous reply back re-rendered (here: the think block dropped):
+    the snapshot where turn 1's generation prompt starts still applies."""
+    warm_server, cold_server = demo_servers
+    turn1 = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    r1 = chat(warm_server, model="demo", messages=turn1, max_tokens=8)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "Now subtract."}]
+    warm = chat(warm_server, model="demo", messages=turn2, max_tokens=16)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    # Everything up to turn 1's `<|im_start|>assistant`, not turn 1's whole prompt.
+    assert 0 < cached < r1.usage.prompt_tokens, (cached, r1.usage.prompt_tokens)
+    cold = chat(cold_server, model="demo", messages=turn2, max_tokens=16, extra_body={"mtp_depth": 2})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
