@@ -210,24 +210,22 @@ class EngineLoop:
         if not self.scheduler.has_work():
             return
         try:
-            results = self.scheduler.step()
+            for key, item in self.scheduler.step():  # delivered as each is ready
+                handle = self._active.get(key)
+                if handle is None:
+                    continue
+                if isinstance(item, BaseException):
+                    log.error("request %d failed: %s: %s", key, type(item).__name__, item)
+                    self._retire(handle, EngineError(f"{type(item).__name__}: {item}"))
+                    continue
+                self._deliver(handle, item)
+                if item.finish_reason:
+                    self._retire(handle, None)
         except Exception as e:  # noqa: BLE001 - the step failed as a whole: fail its requests, keep looping
             log.exception("engine step failed")
             for handle in list(self._active.values()):
                 self.scheduler.cancel(handle.id)
                 self._retire(handle, EngineError(f"{type(e).__name__}: {e}"))
-            return
-        for key, item in results:
-            handle = self._active.get(key)
-            if handle is None:
-                continue
-            if isinstance(item, BaseException):
-                log.error("request %d failed: %s: %s", key, type(item).__name__, item)
-                self._retire(handle, EngineError(f"{type(item).__name__}: {item}"))
-                continue
-            self._deliver(handle, item)
-            if item.finish_reason:
-                self._retire(handle, None)
 
     def _retire(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
         with self._cond:

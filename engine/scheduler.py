@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
 
@@ -87,31 +87,31 @@ class Scheduler:
 
     # -- one step
 
-    def step(self) -> List[Tuple[Hashable, Any]]:
-        """Returns (key, GenerationChunk) per request that got tokens, or (key, exception)."""
+    def step(self) -> Iterator[Tuple[Hashable, Any]]:
+        """Yields (key, GenerationChunk) per request that got tokens, or (key, exception),
+        each as soon as it is ready: a finished prefill's first token comes before the
+        running rows' round (which the new row then joins)."""
         self._drop_cancelled()
-        out: List[Tuple[Hashable, Any]] = []
         if self.prefilling and len(self.running) < self.max_batch_size:
             row = self.prefilling[0]
             try:
                 emitted = prefill(self.model, row.seq, self.prefill_chunk, checkpoint_saver(self.prompt_cache))
             except Exception as e:  # noqa: BLE001 - reported to this request only
                 self._forget(self.prefilling.popleft())
-                out.append((row.key, e))
+                yield row.key, e
                 emitted = None
             if emitted is not None:
                 self.prefilling.popleft()
                 row.seq.stats.prefill_s = time.perf_counter() - row.started
                 row.started = time.perf_counter()
+                yield self._deliver(row, emitted)
                 if self.prompt_cache is not None:
                     s = row.seq
                     self.prompt_cache.store(take_snapshot(s.prompt, s.cache, s.head_cache, s.pending_hidden))
-                out.append(self._deliver(row, emitted))
                 if not row.stops.finish_reason:
                     self._join(row)
         if self.running:
-            out += self._decode_round()
-        return out
+            yield from self._decode_round()
 
     # -- internals
 
