@@ -719,6 +719,10 @@ def run_decode(args) -> dict:
     lm = load_model(str(path))
     print(f"model {path}: {lm.mtp_status}; backbone {n_params(lm.model.model):,} params"
           + (f", head {n_params(lm.model.head):,}" if lm.model.has_mtp else "") + f"; loaded in {pc() - t0:.1f}s", flush=True)
+    from mtp_serve.engine.warmup import calibrate_blas_threads
+
+    threads = calibrate_blas_threads(lm.model)  # as mtp-serve does at start-up
+    print(f"decode matmuls on {threads or 'all'} OpenBLAS thread(s) for this project's paths (measured at load)")
     ref_model, _ = mlx_lm_load(str(path))
     fp32(ref_model)
     mx.eval(ref_model.parameters())

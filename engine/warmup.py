@@ -1,11 +1,14 @@
-"""Run every decode path once before serving, so the first request does not pay
+"""Before serving: run every decode path once, so the first request does not pay
 for building compiled kernels (MLX JIT-compiles fused CPU kernels on first use
-and caches them on disk: seconds on the first run on a machine, nothing after)."""
+and caches them on disk: seconds on the first run on a machine, nothing after);
+and measure how many OpenBLAS threads decode should use for this model."""
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
+from mtp_serve.backend import blas_threads_adjustable, set_decode_blas_threads
 from mtp_serve.models.mtp_model import MTPModel
 
 from .batch import Batch
@@ -34,3 +37,31 @@ def warm_up(model: MTPModel, depth: int, rounds: int = 2) -> float:
         for K in sorted({0, depth}):
             batched_round(model, batch, K)
     return time.perf_counter() - t0
+
+
+def calibrate_blas_threads(model: MTPModel, steps: int = 6, rounds: int = 3, slow_step_s: float = 0.05) -> Optional[int]:
+    """Time plain decode steps with OpenBLAS on one thread and on every core, and
+    keep the faster for decode-sized matmuls. A model whose step takes longer than
+    `slow_step_s` is bandwidth-bound and keeps every core without measuring.
+    Returns the choice (None: every core)."""
+    if not blas_threads_adjustable():
+        return None
+    seq = new_sequence(model, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=1 << 20, ignore_eos=True), 0)
+    prefill(model, seq)
+    t0 = time.perf_counter()
+    plain_step(model, seq)
+    if time.perf_counter() - t0 > slow_step_s:
+        set_decode_blas_threads(None)
+        return None
+    best: dict = {}
+    for _ in range(rounds):  # alternating, so a noisy moment does not decide alone
+        for n in (1, None):
+            set_decode_blas_threads(n)
+            plain_step(model, seq)  # the switch itself
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                plain_step(model, seq)
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
+    choice = min(best, key=best.get)
+    set_decode_blas_threads(choice)
+    return choice

@@ -53,12 +53,16 @@ def _preload_openblas() -> str:
     return ""
 
 
-# Matmuls with at most this many rows (decode steps, verify windows, drafts)
-# run on one OpenBLAS thread: they are too small to split, and the idle
-# worker's spin-wait takes the core the MLX and Python threads need. On 2
-# cores a demo-model decode step measured 7-9 ms on one thread against 9-15 ms
-# on two; prefill chunks keep every thread (~25% faster there).
+# Matmuls with at most this many rows (decode steps, verify windows, drafts) run
+# on `_decode_threads` OpenBLAS threads, larger ones (prefill) on every core.
+# Which is faster for decode depends on the model: a small model's matrices sit
+# in cache and one thread avoids the idle worker's spin-wait taking the core the
+# MLX and Python threads need (demo model: 7-9 ms a step on one thread, 9-15 ms
+# on two), while a large model's decode is bandwidth-bound and two threads read
+# its weights faster (a [1024 x 6144] fp32 matvec: 3.2 ms on one, 1.5 ms on two).
+# `engine.warmup.calibrate_blas_threads` measures it for the loaded model.
 SMALL_MATMUL_ROWS = 64
+_decode_threads: int | None = None  # None: every core, as OpenBLAS does by default
 _blas_threads: int | None = None
 
 
@@ -66,7 +70,7 @@ def set_blas_threads(n: int | None) -> None:
     """OpenBLAS threads for the matmuls that follow (None: every core). A no-op
     without the preloaded OpenBLAS, or when OPENBLAS_NUM_THREADS was set by the user."""
     global _blas_threads
-    if _OPENBLAS is None or os.environ.get("OPENBLAS_NUM_THREADS"):
+    if not blas_threads_adjustable():
         return
     n = n or os.cpu_count() or 1
     if n != _blas_threads:
@@ -74,9 +78,19 @@ def set_blas_threads(n: int | None) -> None:
         _blas_threads = n
 
 
+def blas_threads_adjustable() -> bool:
+    return _OPENBLAS is not None and not os.environ.get("OPENBLAS_NUM_THREADS") and (os.cpu_count() or 1) > 1
+
+
+def set_decode_blas_threads(n: int | None) -> None:
+    """Threads for decode-sized matmuls from now on (None: every core)."""
+    global _decode_threads
+    _decode_threads = n
+
+
 def blas_threads_for(rows: int) -> None:
-    """One thread for small matmuls (decode), every core for large ones (prefill)."""
-    set_blas_threads(1 if rows <= SMALL_MATMUL_ROWS else None)
+    """Pick OpenBLAS's thread count for a forward over `rows` tokens."""
+    set_blas_threads(_decode_threads if rows <= SMALL_MATMUL_ROWS else None)
 
 
 _BACKEND: Backend | None = None

@@ -107,12 +107,14 @@ def main(argv=None) -> int:
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"{BACKEND.note}", flush=True)
-    from mtp_serve.engine.warmup import warm_up
+    from mtp_serve.engine.warmup import calibrate_blas_threads, warm_up
 
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
     try:
         log.info("warm-up took %.1fs", warm_up(loaded.model, depth))
+        threads = calibrate_blas_threads(loaded.model)
+        log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
     except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
         log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
