@@ -8,13 +8,19 @@ want_test=0
 [ "${1:-}" = "--test" ] && want_test=1
 
 # Linux CPU fast path: MLX's CPU wheel links a slow reference BLAS; mtp-serve
-# preloads Debian's OpenBLAS at import time when it is installed.
-if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0"; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  if command -v apt-get >/dev/null; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
-  else
-    echo "install.sh: install OpenBLAS (libopenblas.so.0) with your package manager for fast fp32 on CPU" >&2
+# preloads Debian's OpenBLAS at import time when it is installed. MLX builds its
+# fused kernels for mx.compile'd decode steps with g++ (without it they run unfused).
+if [ "$(uname -s)" = Linux ]; then
+  missing=""
+  ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0" || missing=" libopenblas0-pthread"
+  command -v g++ >/dev/null || missing="$missing g++"
+  if [ -n "$missing" ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    if command -v apt-get >/dev/null; then
+      $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $missing >/dev/null
+    else
+      echo "install.sh: install$missing with your package manager (OpenBLAS: fast fp32 matmuls; g++: fused kernels)" >&2
+    fi
   fi
 fi
 
