@@ -143,3 +143,15 @@ def test_depth_policy_picks_the_measured_best_and_ignores_warm_up_rounds():
     chosen = run(bad, 0.1, 200)
     assert chosen[-10:] == [0] * 10, chosen  # drafting never pays at 10% acceptance
     assert chosen[20:].count(1) + chosen[20:].count(2) >= 2  # ... but stale depths are re-measured now and then
+
+
+@pytest.mark.parametrize("family", ["qwen3_6_moe", "qwen3_next"])
+def test_batched_moe_families_equal_single_stream(family, loaded):
+    """MoE layers (and Qwen3-Next's GatedDeltaNet layout) through the batched, compiled path."""
+    lm = loaded(family, agreeable=True)
+    reqs = {k: (p, SamplingParams(max_tokens=30, ignore_eos=True))
+            for k, p in {"a": [3, 4, 5], "b": list(range(40, 70)), "c": [9] * 12}.items()}
+    out, mixed_rounds, _ = drive(lm, reqs, 2, arrivals={"a": 0, "b": 0, "c": 4})
+    for k, (prompt, params) in reqs.items():
+        assert out[k][0] == single_stream(lm, prompt, params, 2)[0], k
+    assert mixed_rounds > 0
