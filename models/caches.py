@@ -1,12 +1,13 @@
 """Caches that let a verify pass be rolled back without re-running the backbone.
 
 A speculative verify forwards T = K+1 tokens. Attention layers roll back by
-trimming KV (mlx-lm's `KVCache.trim`). GatedDeltaNet layers carry a recurrent
-state and a conv window that cannot be trimmed, so during a verify the GDN
-layer records its state after every position plus the whole conv input
-(`SpeculativeGDNCache.capture`), and the commit keeps the entry for the
-accepted length (vLLM's per-position state slots, SGLang's intermediate
-state caches).
+trimming KV (mlx-lm's `KVCache.trim`; in a batch, `RollbackBatchKVCache`
+per row). GatedDeltaNet layers carry a recurrent state and a conv window that
+cannot be trimmed, so during a verify the GDN layer records the whole conv
+input and the window's per-position states (in WY form, see
+`gated_delta_window`), and the commit keeps the state for the accepted length
+(vLLM's per-position state slots, SGLang's intermediate state caches), computing
+only that one.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ class RollbackBatchKVCache(BatchKVCache):
     cache per rollback, ruinous at long context), the dropped entries become
     holes: masked out of attention, their position freed for the row's next
     tokens (RoPE positions come from the per-row `offset`, not the buffer
-    index). Data never moves; `filter` and `extract` squeeze holes out when
-    rows leave.
+    index). Data never moves. Holes stay until their row leaves (`extract`
+    squeezes them out of a row handed back to single-sequence decoding), so a
+    batch's buffer grows by K+1 entries a round whatever each row accepted.
     """
 
     def __init__(self, left_padding: List[int]):
