@@ -168,13 +168,12 @@ def _head_over_owed(model: MTPModel, batch: Batch, keep_last: bool) -> Tuple[mx.
     N = max(take)
     hidden = mx.concatenate([_pad_right(s.pending_hidden[:, :n], N) for s, n in zip(seqs, take)])
     tokens = mx.array([s.pending_tokens[:n] + [0] * (N - n) for s, n in zip(seqs, take)])
-    head = batch.head_cache[0]
-    out, logits = model.draft(hidden, tokens, head)
-    head.trim_rows([N - n for n in take])  # the padding entries
+    out, logits = model.draft(hidden, tokens, batch.head_cache[0])
+    batch.head_cache[0].trim_rows([N - n for n in take])  # the padding entries
     last = mx.array([n - 1 for n in take])
     rows = mx.arange(len(seqs))
     if keep_last:
-        mx.eval(head.state)
+        mx.eval(batch.head_cache[0].state)
         for s, n in zip(seqs, take):
             s.pending_hidden, s.pending_tokens = s.pending_hidden[:, n:], s.pending_tokens[n:]
     return out[rows, last][:, None], logits[rows, last]

@@ -73,9 +73,10 @@ class RollbackBatchKVCache(BatchKVCache):
     cache per rollback, ruinous at long context), the dropped entries become
     holes: masked out of attention, their position freed for the row's next
     tokens (RoPE positions come from the per-row `offset`, not the buffer
-    index). Data never moves. Holes stay until their row leaves (`extract`
-    squeezes them out of a row handed back to single-sequence decoding), so a
-    batch's buffer grows by K+1 entries a round whatever each row accepted.
+    index). Data never moves. What every row drops moves the write index back;
+    the rest stays as holes until the row leaves (`extract` squeezes them out of
+    a row handed back to single-sequence decoding), so the buffer runs ahead of
+    the longest row by the other rows' extra rollbacks, not by the rejected total.
     """
 
     def __init__(self, left_padding: List[int]):
