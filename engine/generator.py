@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from mtp_serve.models.mtp_model import MTPModel
 
-from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
+from .prompt_cache import PromptCache, checkpoint_saver, sequence_snapshot
 from .sampling import SamplingParams, normalize
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, mtp_round, plain_step, prefill
@@ -81,7 +81,7 @@ def run_sequence(model: MTPModel, tokenizer, seq: Sequence, prompt_cache=None) -
             stats.prefill_s = time.perf_counter() - t0
             t0, first, step = time.perf_counter(), False, (lambda: decode_step(model, seq))
             if prompt_cache is not None:
-                prompt_cache.store(take_snapshot(seq.prompt, seq.cache, seq.head_cache, seq.pending_hidden))
+                prompt_cache.store(sequence_snapshot(seq, seq.prompt))
         kept, text = stops.feed(tokens)
         seq.output += kept
         seq.history.add(kept)
@@ -91,7 +91,7 @@ def run_sequence(model: MTPModel, tokenizer, seq: Sequence, prompt_cache=None) -
         if seq.params.logprobs is not None and kept:
             logprobs = token_logprobs(kept, lp_rows, seq.params.logprobs)
         if stops.finish_reason and prompt_cache is not None:
-            prompt_cache.store(take_snapshot(seq.cache_tokens(), seq.cache, seq.head_cache, seq.pending_hidden))
+            prompt_cache.store(sequence_snapshot(seq, seq.cache_tokens()))
         yield GenerationChunk(kept, text, stops.finish_reason, stats, logprobs)
         if stops.finish_reason:
             return

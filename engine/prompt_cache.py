@@ -75,11 +75,16 @@ def take_snapshot(tokens: Seq[int], cache: List[Any], head_cache: Optional[KVCac
     return snap
 
 
+def sequence_snapshot(seq, tokens: Seq[int]) -> Snapshot:
+    """A snapshot of a (single-sequence) request's own caches, which hold `tokens`."""
+    return take_snapshot(tokens, seq.cache, seq.head_cache, seq.pending_hidden)
+
+
 def checkpoint_saver(prompt_cache: Optional["PromptCache"]):
     """`prefill`'s on_checkpoint callback: snapshot the caches holding the first n prompt tokens."""
     if prompt_cache is None:
         return None
-    return lambda seq, n: prompt_cache.store(take_snapshot(seq.prompt[:n], seq.cache, seq.head_cache, seq.pending_hidden))
+    return lambda seq, n: prompt_cache.store(sequence_snapshot(seq, seq.prompt[:n]))
 
 
 class PromptCache:

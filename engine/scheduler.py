@@ -26,7 +26,7 @@ from mtp_serve.models.mtp_model import MTPModel
 from .batch import Batch, extract_caches
 from .generator import GenerationChunk, token_logprobs
 from .policy import DepthPolicy
-from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
+from .prompt_cache import PromptCache, checkpoint_saver, sequence_snapshot, take_snapshot
 from .sampling import SamplingParams
 from .sequence import Sequence, new_sequence
 from .speculative import Emitted, batched_round, mtp_round, plain_step, prefill
@@ -106,8 +106,7 @@ class Scheduler:
                 row.started = time.perf_counter()
                 yield self._deliver(row, emitted)
                 if self.prompt_cache is not None:
-                    s = row.seq
-                    self.prompt_cache.store(take_snapshot(s.prompt, s.cache, s.head_cache, s.pending_hidden))
+                    self.prompt_cache.store(sequence_snapshot(row.seq, row.seq.prompt))
                 if not row.stops.finish_reason:
                     self._join(row)
         if self.running:
@@ -176,7 +175,7 @@ class Scheduler:
                 self.prompt_cache.store(take_snapshot(seq.cache_tokens(), cache, head, seq.pending_hidden))
             self.batch.remove([seq])
         elif store and self.prompt_cache is not None:
-            self.prompt_cache.store(take_snapshot(seq.cache_tokens(), seq.cache, seq.head_cache, seq.pending_hidden))
+            self.prompt_cache.store(sequence_snapshot(seq, seq.cache_tokens()))
         self.running.remove(row)
         self.rows.pop(row.key, None)
         if len(self.running) == 1 and self.batch is not None:

@@ -17,16 +17,21 @@ from .sequence import new_sequence
 from .speculative import batched_round, mtp_round, plain_step, prefill
 
 
+def _prefilled(model: MTPModel, prompt: list, depth: int):
+    """A dummy request, prefilled, that decodes for as long as it is stepped."""
+    seq = new_sequence(model, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True), depth)
+    prefill(model, seq)
+    return seq
+
+
 def warm_up(model: MTPModel, depth: int, rounds: int = 2) -> float:
     """Plain steps, single-sequence MTP rounds and batched rounds (plain and
     drafting) on a short dummy prompt; returns the seconds it took."""
     t0 = time.perf_counter()
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
     depth = depth if model.has_mtp else 0
     seqs = []
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]):
-        seq = new_sequence(model, prompt, params, depth)
-        prefill(model, seq)
+        seq = _prefilled(model, prompt, depth)
         for _ in range(rounds):
             plain_step(model, seq)
             if depth:
@@ -46,8 +51,7 @@ def calibrate_blas_threads(model: MTPModel, steps: int = 6, rounds: int = 3, slo
     Returns the choice (None: every core)."""
     if not blas_threads_adjustable():
         return None
-    seq = new_sequence(model, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=1 << 20, ignore_eos=True), 0)
-    prefill(model, seq)
+    seq = _prefilled(model, [1, 2, 3, 4, 5, 6, 7, 8], 0)
     t0 = time.perf_counter()
     plain_step(model, seq)
     if time.perf_counter() - t0 > slow_step_s:

@@ -81,11 +81,13 @@ class CompiledLayers:
         return h
 
 
-def _mlp_half(layer: nn.Module) -> Callable:
-    def step(h: mx.array) -> mx.array:
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+def _residual_mlp(layer: nn.Module, h: mx.array) -> mx.array:
+    """A decoder layer's second half, as mlx-lm's DecoderLayer computes it."""
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    return step
+
+def _mlp_half(layer: nn.Module) -> Callable:
+    return lambda h: _residual_mlp(layer, h)
 
 
 def _attention_in(layer: nn.Module) -> Callable:
@@ -111,8 +113,7 @@ def _attention_out(layer: nn.Module) -> Callable:
 
     def step(x: mx.array, out: mx.array, gate: mx.array) -> mx.array:
         B, L, _ = x.shape
-        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return _residual_mlp(layer, x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)))
 
     return step
 
@@ -120,8 +121,7 @@ def _attention_out(layer: nn.Module) -> Callable:
 def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         r, conv_input, st = layer.linear_attn.mix(layer.input_layernorm(x), conv_state, state, capture=capture)
-        h = x + r
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = _residual_mlp(layer, x + r)
         if capture:
             return h, conv_input, st.gam, st.decay, st.delta, st.k
         return h, conv_input, st
