@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     from mtp_serve.models.loader import load_model
 
     if args.synthetic:
-        from mtp_serve.models.synthetic import write_synthetic_checkpoint
+        from mtp_serve.testing.synthetic import write_synthetic_checkpoint
 
         path = write_synthetic_checkpoint(tempfile.mkdtemp() + "/synthetic", "qwen3_5", agreeable=True)
     else:

@@ -539,7 +539,7 @@ def random_mtp_model(text_overrides: dict):
     from mtp_serve.models.gdn import install_capturing_gdn
     from mtp_serve.models.model_card import load_card
     from mtp_serve.models.mtp_model import MTPModel
-    from mtp_serve.models.synthetic import build_random, tiny_text_config
+    from mtp_serve.testing.synthetic import build_random, tiny_text_config
 
     text = tiny_text_config("qwen3_5", **text_overrides)
     model, head, _ = build_random("qwen3_5", text)

@@ -52,10 +52,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mtp_serve.models.gdn import install_capturing_gdn
-from mtp_serve.models.hf_layout import hf_weights, save_hf_checkpoint
+from mtp_serve.testing.hf_layout import hf_weights, save_hf_checkpoint
 from mtp_serve.models.mtp_head import MTPHead
-from mtp_serve.models.synthetic import hf_config
-from mtp_serve.models.tokenizer_builder import load_tokenizer_json, save_tokenizer, train_tokenizer
+from mtp_serve.testing.synthetic import hf_config
+from mtp_serve.testing.tokenizer_builder import load_tokenizer_json, save_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SRC = Path(os.__file__).parent  # the stdlib of this interpreter

@@ -2,7 +2,7 @@ import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
 
 import pytest
 
-from mtp_serve.models.synthetic import write_synthetic_checkpoint
+from mtp_serve.testing.synthetic import write_synthetic_checkpoint
 
 
 

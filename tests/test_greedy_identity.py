@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
 
-from mtp_serve.models.synthetic import FAMILIES
+from mtp_serve.testing.synthetic import FAMILIES
 
 NEAR_TIE = 1e-4
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 130, 3)), [200] * 5 + [201, 202]]

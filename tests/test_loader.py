@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.loader import CheckpointError, load_model
-from mtp_serve.models.synthetic import FAMILIES, build_random, tiny_text_config
+from mtp_serve.testing.synthetic import FAMILIES, build_random, tiny_text_config
 
 
 def _params(module):

@@ -21,9 +21,9 @@ import mlx.optimizers as optim
 import uvicorn
 
 from mtp_serve.models.gdn import install_capturing_gdn
-from mtp_serve.models.hf_layout import hf_weights, save_hf_checkpoint
+from mtp_serve.testing.hf_layout import hf_weights, save_hf_checkpoint
 from mtp_serve.models.loader import load_model
-from mtp_serve.models.synthetic import build_random, tiny_text_config, write_byte_tokenizer
+from mtp_serve.testing.synthetic import build_random, tiny_text_config, write_byte_tokenizer
 from mtp_serve.server.app import ServerConfig, create_app
 
 

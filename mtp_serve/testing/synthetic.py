@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .hf_layout import hf_weights, save_hf_checkpoint
-from .mtp_head import MTPHead
+from mtp_serve.testing.hf_layout import hf_weights, save_hf_checkpoint
+from mtp_serve.models.mtp_head import MTPHead
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",

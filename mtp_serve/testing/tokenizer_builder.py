@@ -8,7 +8,7 @@ merges). Saved through transformers' `PreTrainedTokenizerFast`, so
 `tokenizer.json`, `tokenizer_config.json` (with the chat template embedded)
 and `special_tokens_map.json` are what `AutoTokenizer` and mlx-lm load.
 
-    from mtp_serve.models.tokenizer_builder import train_tokenizer, save_tokenizer
+    from mtp_serve.testing.tokenizer_builder import train_tokenizer, save_tokenizer
     tok = train_tokenizer(texts, vocab_size=4096)
     save_tokenizer(tok, "models/demo", chat_template=open(".../chat_template.jinja").read())
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .synthetic import QWEN_SPECIAL_TOKENS
+from mtp_serve.testing.synthetic import QWEN_SPECIAL_TOKENS
 
 # Qwen2/Qwen3/Qwen3.5 pre-tokenizer split pattern (single digits, letters with
 # an optional leading non-letter, punctuation runs, newline runs, spaces).
