@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
+from .policy import DepthPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -95,6 +96,7 @@ class EngineLoop:
         max_active: int = 8,
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
+        policy: Optional[DepthPolicy] = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -102,7 +104,7 @@ class EngineLoop:
         self.max_active = max_active
         self.prompt_cache = prompt_cache
         self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
-                                   prompt_cache=prompt_cache)
+                                   prompt_cache=prompt_cache, policy=policy)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
         self._cond = threading.Condition()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence as Seq
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from mtp_serve.models.caches import SpeculativeGDNCache
+from mtp_serve.models.mlx_lm_compat import KVCache
 
 
 def copy_cache(c: Any) -> Any:
@@ -75,16 +75,11 @@ def take_snapshot(tokens: Seq[int], cache: List[Any], head_cache: Optional[KVCac
     return snap
 
 
-def sequence_snapshot(seq, tokens: Seq[int]) -> Snapshot:
-    """A snapshot of a (single-sequence) request's own caches, which hold `tokens`."""
-    return take_snapshot(tokens, seq.cache, seq.head_cache, seq.pending_hidden)
-
-
 def checkpoint_saver(prompt_cache: Optional["PromptCache"]):
     """`prefill`'s on_checkpoint callback: snapshot the caches holding the first n prompt tokens."""
     if prompt_cache is None:
         return None
-    return lambda seq, n: prompt_cache.store(sequence_snapshot(seq, seq.prompt[:n]))
+    return lambda seq, n: prompt_cache.store(take_snapshot(seq.prompt[:n], seq.caches.backbone, seq.caches.head, seq.owed.hidden))
 
 
 class PromptCache:

@@ -19,13 +19,18 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, infer_quant_config, load_tokenizer
 
 from mtp_serve import BACKEND
 
 from .gdn import install_capturing_gdn
+from .mlx_lm_compat import (
+    Qwen35DecoderLayer,
+    Qwen3NextDecoderLayer,
+    TokenizerWrapper,
+    get_model_classes,
+    infer_quant_config,
+    load_tokenizer,
+)
 from .model_card import ModelCard, load_card
 from .mtp_head import MTPHead
 from .mtp_model import MTPModel
@@ -197,11 +202,11 @@ def _build(config: dict) -> Tuple[nn.Module, nn.Module, type]:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     if model_type == "qwen3_next":
-        return model, model, qwen3_next.Qwen3NextDecoderLayer
-    return model, model.language_model, qwen3_5.DecoderLayer
+        return model, model, Qwen3NextDecoderLayer
+    return model, model.language_model, Qwen35DecoderLayer
 
 
 def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None) -> LoadedModel:

@@ -11,14 +11,13 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import KVCache
 
 from mtp_serve.backend import blas_threads_for
 
 from .caches import SpeculativeGDNCache
 from .compiled_steps import CompiledLayers
 from .model_card import ModelCard
+from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask
 from .mtp_head import MTPHead
 
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from mtp_serve.engine.engine_loop import EngineError, EngineLoop, EngineStopped, QueueFull, RequestHandle
+from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatFormat, ChatPrompt, hf_tokenizer
@@ -47,7 +48,8 @@ class ServerConfig:
     max_queue: int = 64
     max_active: int = 8  # --max-batch-size
     prefill_chunk: int = 512
-    mtp_depth: int = 0  # default drafts per round; 0 = MTP off
+    mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
+    fixed_depth: bool = False  # draft exactly mtp_depth every round instead
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
@@ -83,7 +85,8 @@ class Service:
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                  prefill_chunk=config.prefill_chunk,
-                                 prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes))
+                                 prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
+                                 policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
         self.metrics = Metrics(self.engine)
         # One thread renders and tokenizes prompts: off the event loop, never concurrent.
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="mtp-tokenize")

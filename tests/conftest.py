@@ -5,8 +5,6 @@ import pytest
 from mtp_serve.testing.synthetic import write_synthetic_checkpoint
 
 
-
-
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """Factory: a synthetic HF-layout checkpoint per (family, options), written once per session."""
@@ -36,3 +34,12 @@ def loaded(checkpoint_dir):
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    """The shipped demo model (a trained head: drafting pays on it)."""
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import load_model
+
+    return load_model(default_model_path())

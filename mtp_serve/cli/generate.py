@@ -27,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int)
     depth = p.add_mutually_exclusive_group()
-    depth.add_argument("--mtp-depth", type=int, help="drafts per round (default: the model card's)")
+    depth.add_argument("--mtp-depth", type=int, help="most drafts per round (default: the model card's); the depth "
+                       "of each round is chosen up to it from measured costs and acceptance, as mtp-serve does")
     depth.add_argument("--no-mtp", action="store_true", help="plain decoding")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, finish_reason, stats")
     return p
 
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.policy import DepthPolicy
     from mtp_serve.engine.sampling import SamplingParams
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
 
     text, ids, chunk = [], [], None
-    for chunk in generate(lm.model, tok, list(prompt_ids), params, depth):
+    policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth)
+    for chunk in generate(lm.model, tok, list(prompt_ids), params, depth, policy=policy):
         ids += chunk.token_ids
         text.append(chunk.text)
         if not args.json:

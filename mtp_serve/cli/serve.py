@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
     p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
-    p.add_argument("--mtp-depth", type=int, help="drafts per round with --enable-mtp (default: the model card's)")
+    p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
+                   "each request's depth is chosen up to it from measured costs and its own acceptance")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
         max_active=args.max_batch_size,
         prefill_chunk=args.prefill_chunk,
         mtp_depth=depth,
+        fixed_depth=args.fixed_depth,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
@@ -112,8 +115,8 @@ def main(argv=None) -> int:
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
     try:
-        log.info("warm-up took %.1fs", warm_up(loaded.model, depth))
-        threads = calibrate_blas_threads(loaded.model)
+        log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
+        threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
         log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
     except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
         log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)

@@ -65,17 +65,16 @@ def hf_config(family: str, text: dict) -> dict:
 
 def build_random(family: str, text: dict, seed: int = 0, with_head: bool = True):
     """Random mlx-lm model (+ head) for `family`; returns (model, head, config)."""
-    from mlx_lm.models import qwen3_5, qwen3_next
-    from mlx_lm.utils import _get_classes
+    from mtp_serve.models.mlx_lm_compat import Qwen35DecoderLayer, Qwen3NextDecoderLayer, get_model_classes
 
     config = hf_config(family, text)
     mx.random.seed(seed)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = get_model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     if family == "qwen3_next":
-        args, layer_cls = model.args, qwen3_next.Qwen3NextDecoderLayer
+        args, layer_cls = model.args, Qwen3NextDecoderLayer
     else:
-        args, layer_cls = model.language_model.args, qwen3_5.DecoderLayer
+        args, layer_cls = model.language_model.args, Qwen35DecoderLayer
     head = MTPHead(args, layer_cls) if with_head else None
     # Norms away from exactly 1 so a missing or doubled +1 shift shows up.
     for m in [model] + ([head] if head is not None else []):
