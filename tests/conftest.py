@@ -1,5 +1,8 @@
 import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
 
+import contextlib
+import io
+
 import pytest
 
 from mtp_serve.testing.synthetic import write_synthetic_checkpoint
@@ -36,3 +39,23 @@ def loaded(checkpoint_dir):
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def stock_converted(tmp_path_factory):
+    """Factory: `src` converted by stock mlx-lm (which drops the MTP head), once per
+    (src, quantize); 4-bit quantization uses group size 32."""
+    from mlx_lm.convert import convert
+
+    made = {}
+
+    def make(src, quantize: bool = False):
+        key = (str(src), quantize)
+        if key not in made:
+            out = tmp_path_factory.mktemp("stock") / ("q4" if quantize else "plain")
+            with contextlib.redirect_stdout(io.StringIO()):
+                convert(str(src), str(out), quantize=quantize, q_group_size=32 if quantize else None, q_bits=4 if quantize else None)
+            made[key] = out
+        return made[key]
+
+    return make
