@@ -1,15 +1,16 @@
 """mtp-tune: measure MTP on this machine and keep the depth that pays.
 
-    mtp-tune MODEL [--max-depth 3] [--tune-tokens 96] [--tune-repeats 2] [--no-save]
+    mtp-tune MODEL [--max-depth 3] [--tune-tokens 96] [--tune-repeats 3] [--no-save]
 
 Loads the model and decodes a few built-in prompts greedily, plainly and at
 each depth 1..max-depth (modes alternate, round-robin over the repeats, so
 drift on a busy machine hits them alike). Reports whether MTP output equals
-plain output, acceptance per draft position and decode speed against plain;
-prints a table and a verdict, and stores the chosen depth as
-`default_mtp_depth` in the model's `mtp_serve.json` (0: MTP does not pay
-here), which mtp-serve and mtp-generate use by default. `mtp-graft` and
-`mtp-convert` run the same check after writing.
+plain output, acceptance per draft position and decode speed against plain
+(best of the repeats: other work on the machine only ever adds time); prints
+a table and a verdict, and stores the chosen depth as `default_mtp_depth` in
+the model's `mtp_serve.json` (0: MTP does not pay here), which mtp-serve and
+mtp-generate use by default. `mtp-graft` and `mtp-convert` run the same
+check after writing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PROMPTS: Tuple[Tuple[str, bool], ...] = (
 )
 MIN_GAIN = 1.05  # a depth must beat plain by this much to be worth turning on
 LOW_ACCEPTANCE = 0.2
+NOISY = 1.3  # repeats of one run differing more than this: say the machine was busy
 BROKEN_HEAD_CAUSES = (
     "its RMSNorm weights shifted twice or not at all (graft again with --force, and --norms raw|shifted "
     "if the detected format was wrong); a quantized head (graft without --quantize-head); a head from another "
@@ -46,32 +48,38 @@ BROKEN_HEAD_CAUSES = (
 @dataclass
 class ModeRun:
     depth: int  # 0 = plain
-    tokens: int = 0  # decoded tokens (after the prefill's first), over every run
-    decode_s: float = 0.0
+    tokens: Dict[int, int] = field(default_factory=dict)  # prompt -> decoded tokens (after the prefill's first)
+    seconds: Dict[int, List[float]] = field(default_factory=dict)  # prompt -> decode time of each repeat
     passes: int = 0
+    runs: int = 0
     drafted: List[int] = field(default_factory=list)
     accepted: List[int] = field(default_factory=list)
     outputs: Dict[int, List[int]] = field(default_factory=dict)  # prompt -> greedy ids (first repeat)
-    block_tok_s: List[float] = field(default_factory=list)  # per (repeat, prompt) block, for paired ratios
 
     @property
     def tok_s(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s else 0.0
+        """Best-of-repeats speed: interference from other work only ever adds time."""
+        best = sum(min(s) for s in self.seconds.values())
+        return sum(self.tokens.values()) / best if best else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.tokens / self.passes if self.passes else 1.0
+        return sum(self.tokens.values()) * self.runs / len(self.tokens) / self.passes if self.passes else 1.0
 
     @property
     def acceptance(self) -> List[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
 
-    def add(self, stats: dict) -> None:
-        tokens = stats["generated_tokens"] - 1
-        self.tokens += tokens
-        self.decode_s += stats["decode_s"]
-        self.block_tok_s.append(tokens / stats["decode_s"] if stats["decode_s"] else 0.0)
+    @property
+    def spread(self) -> float:
+        """How much repeats of the same run differed (slowest / fastest)."""
+        return max((max(s) / min(s) for s in self.seconds.values() if min(s) > 0), default=1.0)
+
+    def add(self, prompt: int, stats: dict) -> None:
+        self.tokens[prompt] = stats["generated_tokens"] - 1
+        self.seconds.setdefault(prompt, []).append(stats["decode_s"])
         self.passes += stats["backbone_passes"]
+        self.runs += 1
         for j, (d, a) in enumerate(zip(stats["drafted_per_position"], stats["accepted_per_position"])):
             if j == len(self.drafted):
                 self.drafted.append(0)
@@ -87,9 +95,8 @@ class Measurement:
     repeats: int
 
     def ratio(self, depth: int) -> float:
-        """Median over blocks of this depth's speed / plain's in the same block (run back to back)."""
-        pairs = sorted(d / p for d, p in zip(self.modes[depth].block_tok_s, self.modes[0].block_tok_s) if p)
-        return pairs[len(pairs) // 2] if pairs else 0.0
+        plain = self.modes[0].tok_s
+        return self.modes[depth].tok_s / plain if plain else 0.0
 
     def identical(self, depth: int) -> Tuple[int, int]:
         plain, run = self.modes[0].outputs, self.modes[depth].outputs
@@ -98,6 +105,10 @@ class Measurement:
     @property
     def depths(self) -> List[int]:
         return sorted(d for d in self.modes if d)
+
+    @property
+    def spread(self) -> float:
+        return max(run.spread for run in self.modes.values())
 
 
 @dataclass
@@ -133,7 +144,7 @@ def measure(lm, max_depth: int, max_tokens: int, repeats: int, progress: Callabl
         for i, prompt in enumerate(prompts):
             for depth in order:
                 ids, stats = run(depth, prompt)
-                modes[depth].add(stats)
+                modes[depth].add(i, stats)
                 modes[depth].outputs.setdefault(i, ids)
     return Measurement(modes, max_tokens, repeats)
 
@@ -154,6 +165,9 @@ def verdict(m: Measurement) -> Verdict:
     if first < LOW_ACCEPTANCE:
         v.notes.append(f"acceptance at the first draft position is only {first:.2f} (a working head: 0.5-0.9). "
                        f"Likely causes: {BROKEN_HEAD_CAUSES}")
+    if m.spread > NOISY:
+        v.notes.append(f"repeats of the same run differed by up to {m.spread:.1f}x: this machine was busy while "
+                       "measuring (speeds are best of the repeats); the verdict may change on a quieter run")
     differing = [d for d in m.depths if m.identical(d)[0] != m.identical(d)[1]]
     if differing:
         v.notes.append(f"MTP output differed from plain at depth(s) {', '.join(map(str, differing))}: a near-tie "
@@ -202,7 +216,7 @@ def save_choice(model_dir: Path, v: Verdict, m: Measurement) -> Path:
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-depth", type=int, default=3, help="measure depths 1..N (default 3)")
     p.add_argument("--tune-tokens", type=int, default=96, help="tokens decoded per prompt and mode (default 96)")
-    p.add_argument("--tune-repeats", type=int, default=2, help="round-robin repeats over the modes (default 2)")
+    p.add_argument("--tune-repeats", type=int, default=3, help="round-robin repeats over the modes (default 3)")
 
 
 def check_tune_arguments(args) -> Optional[str]:
