@@ -1,5 +1,8 @@
 import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
 
+import contextlib
+import io
+
 import pytest
 
 from mtp_serve.testing.synthetic import write_synthetic_checkpoint
@@ -43,3 +46,23 @@ def demo_model():
     from mtp_serve.models.loader import load_model
 
     return load_model(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def stock_converted(tmp_path_factory):
+    """Factory: `src` converted by stock mlx-lm (which drops the MTP head), once per
+    (src, quantize); 4-bit quantization uses group size 32."""
+    from mlx_lm.convert import convert
+
+    made = {}
+
+    def make(src, quantize: bool = False):
+        key = (str(src), quantize)
+        if key not in made:
+            out = tmp_path_factory.mktemp("stock") / ("q4" if quantize else "plain")
+            with contextlib.redirect_stdout(io.StringIO()):
+                convert(str(src), str(out), quantize=quantize, q_group_size=32 if quantize else None, q_bits=4 if quantize else None)
+            made[key] = out
+        return made[key]
+
+    return make

@@ -8,15 +8,11 @@ import logging
 import sys
 
 from mtp_serve import BACKEND
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from mtp_serve.cli.common import OneLineParser, encode_prompt, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="mtp-generate", description="Generate text with MTP speculative decoding.")
+    p = OneLineParser(prog="mtp-generate", description="Generate text with MTP speculative decoding.")
     p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
@@ -42,14 +38,13 @@ def main(argv=None) -> int:
     from mtp_serve.engine.policy import DepthPolicy
     from mtp_serve.engine.sampling import SamplingParams
     from mtp_serve.models.demo_model import default_model_path
-    from mtp_serve.models.loader import CheckpointError, load_model
+    from mtp_serve.models.loader import load_model
 
-    def fail(msg: str) -> int:
-        print(f"mtp-generate: error: {msg}", file=sys.stderr)
-        return 1
+    def error(msg: str) -> int:
+        return fail("mtp-generate", msg)
 
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
-        return fail("--mtp-depth must be between 1 and 8")
+        return error("--mtp-depth must be between 1 and 8")
     try:
         params = SamplingParams(
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -57,21 +52,16 @@ def main(argv=None) -> int:
         )
         lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
-        return fail(str(e))
+        return error(str(e))
     tok = lm.tokenizer
-    if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
-    else:
-        prompt_ids = tok.encode(args.prompt)
+    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
     if not prompt_ids:
-        return fail("the prompt encodes to no tokens")
+        return error("the prompt encodes to no tokens")
     depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
 
     text, ids, chunk = [], [], None
     policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth)
-    for chunk in generate(lm.model, tok, list(prompt_ids), params, depth, policy=policy):
+    for chunk in generate(lm.model, tok, prompt_ids, params, depth, policy=policy):
         ids += chunk.token_ids
         text.append(chunk.text)
         if not args.json:

@@ -13,17 +13,13 @@ import sys
 from pathlib import Path
 
 from mtp_serve import BACKEND
+from mtp_serve.cli.common import OneLineParser, fail
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
+    p = OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
     p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
@@ -49,23 +45,22 @@ def main(argv=None) -> int:
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
-    def fail(msg: str) -> int:
-        print(f"mtp-serve: error: {msg}", file=sys.stderr)
-        return 1
+    def error(msg: str) -> int:
+        return fail("mtp-serve", msg)
 
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
-        return fail("--mtp-depth must be between 1 and 8")
+        return error("--mtp-depth must be between 1 and 8")
     if args.max_queue < 1:
-        return fail("--max-queue must be at least 1")
+        return error("--max-queue must be at least 1")
     if args.max_batch_size < 1 or args.prefill_chunk < 1:
-        return fail("--max-batch-size and --prefill-chunk must be at least 1")
+        return error("--max-batch-size and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 2:
-        return fail("--max-context must be at least 2")
+        return error("--max-context must be at least 2")
     if args.chat_template is not None:
         import os
 
         if not os.path.isfile(args.chat_template):
-            return fail(f"--chat-template: no such file: {args.chat_template}")
+            return error(f"--chat-template: no such file: {args.chat_template}")
 
     import uvicorn
 
@@ -77,14 +72,16 @@ def main(argv=None) -> int:
         model_path = args.model or default_model_path()
         loaded = load_model(model_path, enable_mtp=args.enable_mtp)
     except FileNotFoundError as e:
-        return fail(str(e))
+        return error(str(e))
     except CheckpointError as e:
-        return fail(str(e))
+        return error(str(e))
 
     depth = 0
     if loaded.model.has_mtp:
         depth = args.mtp_depth or loaded.card.default_mtp_depth
-        mtp = f"MTP on, depth {depth}"
+        mtp = (f"MTP on, depth {depth}" if depth else
+               "MTP off by default: mtp-tune found it slower on this machine (mtp_serve.json default_mtp_depth 0; "
+               "--mtp-depth K or a request's mtp_depth turns it on)")
     elif args.enable_mtp:
         mtp = loaded.mtp_status.replace("MTP off:", "MTP off (requested with --enable-mtp, but") + ")"
     else:
@@ -110,6 +107,9 @@ def main(argv=None) -> int:
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"{BACKEND.note}", flush=True)
+    if loaded.mtp_fix:
+        print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
+              flush=True)
     from mtp_serve.engine.warmup import calibrate_blas_threads, warm_up
 
     log = logging.getLogger("mtp_serve")
