@@ -58,9 +58,12 @@ def prefill(
             on_checkpoint(seq, stop)
     if end < len(seq.prompt):
         return None
-    lp = target_logprobs(seq.last_logits, seq.params, seq.history)
+    allowed = seq.grammar.mask()[None] if seq.grammar is not None else None
+    lp = target_logprobs(seq.last_logits, seq.params, seq.history, allowed=allowed)
     noise = position_noise(seq.params.seed, 0, 1, model.vocab_size) if coupled(seq.params) else None
     first = choose(lp, seq.params, seq.rng, noise).item()
+    if seq.grammar is not None:
+        seq.grammar.consume([first])
     seq.last_logits = None
     if seq.tracks_head:
         owed.tokens = seq.prompt[caches.head.offset + 1 :] + [first]

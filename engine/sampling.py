@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mtp_serve.models.mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
 
+from .grammar import Constraint, apply_mask
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -42,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
+    constraint: Optional[Constraint] = None  # a grammar the output must match (engine/grammar.py)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -159,15 +162,17 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def target_logprobs(
-    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None
+    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None,
+    allowed: Optional[mx.array] = None,
 ) -> mx.array:
     """The full pipeline over logits [T, V] (fp32): what the sampler draws from.
+    `allowed` [T, V] (a grammar's masks) removes tokens first.
 
     Greedy requests get the (penalized) logits unnormalized: the argmax is all
     they need, and filters never remove the argmax. `normalize` them to report
     log-probabilities.
     """
-    logits = logits.astype(mx.float32)
+    logits = apply_mask(logits.astype(mx.float32), allowed)
     if params.has_penalties:
         logits = apply_penalties(logits, params, history, appended)
     if params.greedy:

@@ -20,8 +20,11 @@ from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
 
+from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+
 from .batch import Batch
 from .chunks import GenerationChunk
+from .grammar import GrammarCompiler
 from .policy import DepthPolicy
 from .prefill import prefill
 from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
@@ -51,14 +54,22 @@ class Scheduler:
         self.batch = Batch()  # the running rows, in join order
         self.seqs: Dict[Hashable, Sequence] = {}
         self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (drafted, accepted) in the last round
+        self._grammars: Optional[GrammarCompiler] = None
 
     # -- requests
 
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
+        grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
         seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, self.prompt_cache, checkpoints,
-                           prior_acceptance=self.policy.start_rates())
+                           prior_acceptance=self.policy.start_rates(), grammar=grammar)
         self.seqs[key] = seq
         self.prefilling.append(seq)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles constraints for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(hf_tokenizer(self.tokenizer), self.model.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
 
     def cancel(self, key: Hashable) -> None:
         seq = self.seqs.get(key)

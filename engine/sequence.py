@@ -21,6 +21,7 @@ from typing import Any, Callable, Hashable, List, Optional, Tuple
 import mlx.core as mx
 
 from .chunks import GenerationChunk, token_logprobs
+from .grammar import RowGrammar
 from .sampling import Rng, SamplingParams, TokenHistory
 from .stats import DecodeStats
 from .stopping import StopChecker
@@ -126,6 +127,7 @@ class Sequence:
     last_logits: Optional[mx.array] = None  # logits at the last prefilled position
     # Prompt lengths at which prefill stops for a prompt-cache snapshot.
     checkpoints: tuple = ()
+    grammar: Optional[RowGrammar] = None  # the matcher of a constrained request, at the output so far
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property
@@ -172,8 +174,10 @@ class Sequence:
 
 
 def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int,
-                 prompt_cache=None, checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None) -> Sequence:
-    """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot."""
+                 prompt_cache=None, checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None,
+                 grammar: Optional[RowGrammar] = None) -> Sequence:
+    """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot;
+    `grammar`: the matcher of `params.constraint`."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     max_depth = max_depth if model.has_mtp else 0
@@ -190,6 +194,7 @@ def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: Sam
         acceptance=RowAcceptance(list(prior_acceptance or [])),
         caches=RowCaches(model.make_cache(), model.make_head_cache() if model.has_mtp else None),
         checkpoints=tuple(checkpoints),
+        grammar=grammar,
     )
     snap = prompt_cache.lookup(prompt, needs_head=seq.tracks_head) if prompt_cache is not None else None
     if snap is not None:
