@@ -146,6 +146,8 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
         if j < K - 1:
             hidden, out = model.draft(hidden, column[:, None], batch.head_cache)
             logits = out[:, -1]
+            if any(m is not None for m in masks):
+                mx.async_eval(logits)  # the head runs while the CPU computes the next masks
     return Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
                   grammar_start)
 
