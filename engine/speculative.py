@@ -123,9 +123,10 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
         return Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
     q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
     hidden, logits = head_over_owed(model, batch)
+    dv = model.draft_vocab
     columns: List[mx.array] = []
     for j in range(K):
-        column = mx.argmax(logits, axis=-1)  # argmax-only rows and padding
+        column = model.draft_argmax(logits)  # argmax-only rows and padding
         picked = {}
         for i, s in enumerate(rows):
             if j < depths[i] and not _argmax_only(s):
@@ -134,7 +135,8 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
                 if s.grammar is not None:
                     allowed = s.grammar.mask()
                     masks[i].append(allowed)
-                lp = target_logprobs(logits[i : i + 1], s.params, s.history, prefix, allowed)
+                row = logits[i : i + 1] if dv is None else dv.to_vocab(logits[i : i + 1], model.vocab_size)
+                lp = target_logprobs(row, s.params, s.history, prefix, allowed)
                 picked[i] = choose(lp, s.params, s.rng, noise[i][j : j + 1] if noise[i] is not None else None)
                 if s.grammar is not None:
                     s.grammar.consume([picked[i].item()])  # the matcher needs the token now: a host sync
