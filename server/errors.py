@@ -11,8 +11,10 @@ from typing import Any, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mtp_serve.engine.engine_loop import EngineError, EngineStopped
 
 log = logging.getLogger("mtp_serve.server")
 
@@ -23,6 +25,10 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streamed response was ready (answered 499)."""
 
 
 class APIError(Exception):
@@ -92,6 +98,17 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         return respond(request, exc.status_code, error_body(str(exc.detail), _TYPES.get(exc.status_code, "server_error")), getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        if on_error is not None:
+            on_error(request, 499)
+        return Response(status_code=499)  # nobody reads it
+
+    @app.exception_handler(EngineError)
+    @app.exception_handler(EngineStopped)
+    async def _engine(request: Request, exc: Exception):
+        return respond(request, 500, error_body(str(exc), "server_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

@@ -83,7 +83,10 @@ def test_chat_non_streaming_and_streaming_agree(mtp_server):
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
     u = full.usage
     assert u.completion_tokens == 16 and u.total_tokens == u.prompt_tokens + 16
-    assert u.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again: the second request reuses the first one's prefill.
+    again = chat(mtp_server)
+    assert again.choices[0].message.content == choice.message.content
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
     spec = u.model_extra["speculative"]
     assert spec["depth"] == 2 and spec["drafted"] >= spec["accepted"] >= 0 and 0 <= spec["acceptance_rate"] <= 1
 
