@@ -2,7 +2,7 @@
 
     app = create_app(loaded_model, ServerConfig(served_model_name="demo"))
 
-Routes live with their API (`openai_api.py`); they share the `Service`
+Routes live with their API (`openai_api.py`, `anthropic_api.py`, `responses_api.py`); they share the `Service`
 (`service.py`) and the internal request model (`generation.py`). Errors leave
 through `errors.py`.
 """
@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mtp_serve.server import openai_api
+from mtp_serve.server import anthropic_api, openai_api, responses_api
 from mtp_serve.server.errors import APIError, error_body, install_error_handlers
 from mtp_serve.server.service import ServerConfig, Service
 
@@ -46,7 +46,9 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mtp-serve", lifespan=lifespan)
     app.state.service = svc
     install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.url.path, status))
-    app.include_router(openai_api.router, dependencies=[Depends(auth)])
+    app.state.response_store = responses_api.ResponseStore()
+    for api in (openai_api, anthropic_api, responses_api):
+        app.include_router(api.router, dependencies=[Depends(auth)])
 
     @app.get("/health")
     async def health():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, List, Optional
 
 from mtp_serve.engine.engine_loop import RequestHandle
@@ -41,6 +41,19 @@ class Generation:
     depth: int  # MTP drafts per round
     parallel_tool_calls: bool = True
     started: float = field(default_factory=time.perf_counter)  # when the request arrived
+    reasoning_budget: Optional[int] = None  # tokens of reasoning before the server closes the think block
+
+    @property
+    def first_params(self) -> SamplingParams:
+        """What the first engine request runs with: a reasoning budget stops it early."""
+        if self.budget_applies:
+            return replace(self.params, max_tokens=self.reasoning_budget)
+        return self.params
+
+    @property
+    def budget_applies(self) -> bool:
+        return (self.reasoning_budget is not None and self.prompt.opens_reasoning
+                and self.reasoning_budget < self.params.max_tokens)
 
 
 @dataclass
@@ -72,32 +85,99 @@ class Timing:
         self.last = now
 
 
+THINK_CLOSE = "\n</think>\n\n"
+REASONING_ENDS = ("</think>", "<tool_call>")  # what ends reasoning (see parsers/reasoning.py)
+
+
 async def engine_chunks(svc: "Service", gen: Generation, handle: RequestHandle, request, watch_disconnect: bool) -> AsyncIterator:
-    """The handle's chunks; cancels the request on any exit (disconnect, error, early return).
+    """The generation's chunks; cancels the request on any exit (disconnect, error, early return).
 
     Streams notice a disconnect when their send fails; a non-streamed request
-    has nothing to send, so it polls (`watch_disconnect`)."""
+    has nothing to send, so it polls (`watch_disconnect`).
+
+    A reasoning budget runs the generation in two engine requests: the first
+    stops after `reasoning_budget` tokens; when the reasoning is still open
+    then, the server writes the think block's end (a chunk of its own) and a
+    second request continues from everything so far (the prompt cache holds
+    the first one's state) with the tokens left."""
     timing = Timing(svc.metrics, gen.started)
+    current = [handle]
 
     async def watch():
-        while not handle.finished:
+        while not current[0].finished:
             await asyncio.sleep(0.2)
             if await request.is_disconnected():
-                log.info("request %d: client disconnected, cancelling", handle.id)
-                handle.cancel()
+                log.info("request %d: client disconnected, cancelling", current[0].id)
+                current[0].cancel()
                 return
 
     watcher = asyncio.create_task(watch()) if watch_disconnect else None
     try:
+        first = None
+        ids, text = [], []
         async for chunk in handle:
             timing.tokens(len(chunk.token_ids))
+            if chunk.finish_reason and gen.budget_applies:
+                ids += chunk.token_ids
+                text.append(chunk.text)
+                first = chunk
+                break
+            ids += chunk.token_ids
+            text.append(chunk.text)
             yield chunk
             if chunk.finish_reason:
-                svc.metrics.finished(chunk.stats)
+                finished(svc, handle, chunk)
+        if first is None:
+            return
+        left = gen.params.max_tokens - len(ids)
+        if first.finish_reason != "length" or left <= 0:
+            yield first
+            finished(svc, handle, first)
+            return
+        close = "" if any(tag in "".join(text) for tag in REASONING_ENDS) else THINK_CLOSE
+        close_ids = svc.tokenizer.encode(close, add_special_tokens=False) if close else []
+        yield replace(first, finish_reason=None)
+        if close:
+            yield replace(first, token_ids=close_ids, text=close, logprobs=None, finish_reason=None)
+        rest = max(1, left - len(close_ids))
+        second = svc.submit_ids(gen.prompt.ids + ids + close_ids, replace(gen.params, max_tokens=rest), gen.depth)
+        current[0] = second
+        async for chunk in second:
+            timing.tokens(len(chunk.token_ids))
+            if chunk.finish_reason:
+                chunk = replace(chunk, stats=merge_stats(first.stats, chunk.stats, len(close_ids)))
+                finished(svc, handle, chunk)
+            yield chunk
     finally:
         if watcher is not None:
             watcher.cancel()
+        current[0].cancel()
         handle.cancel()
+
+
+def finished(svc: "Service", handle: RequestHandle, chunk) -> None:
+    """Per-request totals: metrics and one log line."""
+    st = chunk.stats
+    svc.metrics.finished(st)
+    log.info("request %d: %d prompt tokens (%d cached), %d generated, finish %s, MTP depth %d acceptance %.2f",
+             handle.id, st.prompt_tokens, st.cached_tokens, st.generated_tokens, chunk.finish_reason, st.depth, st.acceptance_rate)
+
+
+def merge_stats(first, second, inserted: int):
+    """One request's stats from its two engine requests (the prompt is the first one's)."""
+    n = max(len(first.drafted), len(second.drafted))
+    pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
+    return replace(
+        second,
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        generated_tokens=first.generated_tokens + inserted + second.generated_tokens,
+        backbone_passes=first.backbone_passes + second.backbone_passes,
+        drafted=[a + b for a, b in zip(pad(first.drafted), pad(second.drafted))],
+        accepted=[a + b for a, b in zip(pad(first.accepted), pad(second.accepted))],
+        prefill_s=first.prefill_s + second.prefill_s,
+        decode_s=first.decode_s + second.decode_s,
+    )
 
 
 async def complete(svc: "Service", gen: Generation, handle: RequestHandle, request) -> Completion:

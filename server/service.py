@@ -88,6 +88,7 @@ class Service:
         self.config = config
         self.max_context = config.max_context or model_max_context(loaded.config)
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
+        self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
@@ -144,8 +145,11 @@ class Service:
         return Generation(prompt, params, depth, started=started, **options)
 
     def submit(self, gen: Generation) -> RequestHandle:
+        return self.submit_ids(gen.prompt.ids, gen.first_params, gen.depth, gen.prompt.checkpoints)
+
+    def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
         try:
-            return self.engine.submit(gen.prompt.ids, gen.params, gen.depth, gen.prompt.checkpoints)
+            return self.engine.submit(ids, params, depth, checkpoints)
         except QueueFull as e:
             raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineStopped as e:

@@ -401,6 +401,21 @@ def test_xml_unclosed_block():
     assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (text, [])
 
 
+def test_xml_call_without_tool_call_wrapper():
+    """`<function=...>` alone (the model left out `<tool_call>`), as vLLM accepts it: a call
+    when the function is a declared tool, streamed in any chunks."""
+    bare = "<function=get_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare) == ("", [("get_weather", {"city": "Dallas", "days": 2})])
+    text = "Let me check.\n" + bare + "\n</tool_call>\n" + xml_call("ping") + "\nDone."
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (
+        "Let me check.Done.", [("get_weather", {"city": "Dallas", "days": 2}), ("ping", {})])
+    # Not a declared tool, no tools declared, or never closed: text.
+    unknown = "See <function=launch>\n<parameter=n>\n1\n</parameter>\n</function> here"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, unknown) == (unknown, [])
+    assert assert_stream_equivalent("qwen3_coder", None, bare) == (bare, [])
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare[:-len("</function>")]) == (bare[:-len("</function>")], [])
+
+
 def test_xml_malformed_then_valid():
     bad = "<tool_call>\n<function=nope>\n</function>\n</tool_call>"
     good = xml_call("get_weather", [("city", "Lima")])

@@ -19,7 +19,7 @@ import json
 import secrets
 from typing import Any
 
-from .events import ContentDelta, Event, ToolCallArgsDelta, ToolCallStart, merge_events, partial_suffix_len
+from .events import ContentDelta, Event, ToolCallArgsDelta, ToolCallStart, find_first, merge_events, partial_suffix_len
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -54,10 +54,9 @@ def dumps(value: Any) -> str:
 
 
 class ToolCallParser:
-    """Base class. `block_starts`: the tags that open a block in content."""
+    """Base class: a block opens at `<tool_call>` (a format may add tags: `_block_starts`)."""
 
     name = "base"
-    block_starts: tuple[str, ...] = (TOOL_CALL_START,)
 
     def __init__(self, tools: list[dict] | None = None):
         self._schemas = tool_schemas(tools)
@@ -135,9 +134,10 @@ class ToolCallParser:
             before = buf[:i]
             text = before.rstrip()
             self._emit(ContentDelta(text))
-            self._buf = buf[i + len(tag):]
+            n = self._tag_length(tag)
+            self._buf = buf[i + n:]
             self._in_block = True
-            self._raw = [before[len(text):], tag]
+            self._raw = [before[len(text):], tag[:n]]
             self._block_index = self._next_index
             self._begin_block(tag)
             return True
@@ -146,15 +146,21 @@ class ToolCallParser:
             self._buf = ""
             return False
         # Hold back a possible partial start tag and the whitespace before it.
-        keep = len(buf) - partial_suffix_len(buf, self.block_starts)
+        keep = len(buf) - partial_suffix_len(buf, self._block_starts())
         keep = len(buf[:keep].rstrip())
         self._emit(ContentDelta(buf[:keep]))
         self._buf = buf[keep:]
         return False
 
+    def _block_starts(self) -> tuple[str, ...]:
+        return (TOOL_CALL_START,)
+
     def _find_block_start(self, buf: str) -> tuple[int, str | None]:
-        i = buf.find(TOOL_CALL_START)
-        return (i, TOOL_CALL_START) if i >= 0 else (-1, None)
+        return find_first(buf, self._block_starts())
+
+    def _tag_length(self, tag: str) -> int:
+        """How much of a block's start tag the content scanner consumes."""
+        return len(tag)
 
     def _close_block(self) -> None:
         """The block closed: release its calls."""

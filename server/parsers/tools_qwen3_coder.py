@@ -10,6 +10,10 @@
 
 Values are raw text (one leading and one trailing newline stripped), converted
 by the parameter's JSON-schema type from the request's `tools`.
+
+A `<function=NAME>...</function>` whose `<tool_call>` wrapper the model left
+out (Qwen3-Coder models do write it; vLLM accepts it) is a call too when NAME
+is a declared tool; otherwise it is content.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import re
 from typing import Any
 
 from .events import ToolCallArgsDelta, ToolCallStart, find_first, partial_suffix_len
-from .tools_base import TOOL_CALL_END, ToolCallParser, dumps, new_call_id, reject_constant
+from .tools_base import TOOL_CALL_END, TOOL_CALL_START, ToolCallParser, dumps, new_call_id, reject_constant
 
 FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
@@ -144,7 +148,7 @@ def convert_param_value(raw: str, types: list[str]) -> Any:
 
 # ---------------------------------------------------------------- parser
 
-_HEADER, _BETWEEN, _PARAM_HEADER, _VALUE, _AFTER_FUNCTION = range(5)
+_HEADER, _BETWEEN, _PARAM_HEADER, _VALUE, _AFTER_FUNCTION, _BARE_END = range(6)
 _BETWEEN_TAGS = (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
 _VALUE_TAGS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
 _AFTER_TAGS = (TOOL_CALL_END, FUNCTION_START)
@@ -161,9 +165,17 @@ class Qwen3CoderToolParser(ToolCallParser):
 
     name = "qwen3_coder"
 
+    def _block_starts(self) -> tuple[str, ...]:
+        # A bare <function= opens a block only when tools are declared.
+        return (TOOL_CALL_START, FUNCTION_START) if self._schemas else (TOOL_CALL_START,)
+
+    def _tag_length(self, tag: str) -> int:
+        return 0 if tag == FUNCTION_START else len(tag)  # the header step reads <function=NAME>
+
     def _begin_block(self, tag: str) -> None:
         self._state = _HEADER
         self._first_in_block = True
+        self._bare = tag == FUNCTION_START
 
     def _step_block(self, final: bool) -> bool:
         return (
@@ -172,6 +184,7 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._step_param_header,
             self._step_value,
             self._step_after_function,
+            self._step_bare_end,
         )[self._state](final)
 
     def _unclosed(self) -> bool:
@@ -183,7 +196,7 @@ class Qwen3CoderToolParser(ToolCallParser):
     def _step_header(self, final: bool) -> bool:
         buf = self._buf
         m = _FUNCTION_HEADER.match(buf)
-        if m and self._valid_name(m.group(1).strip()):
+        if m and self._valid_name(m.group(1).strip()) and (not self._bare or self._schemas):
             self._consume(m.end())
             self._open_call(m.group(1).strip())
             self._state = _BETWEEN
@@ -196,7 +209,11 @@ class Qwen3CoderToolParser(ToolCallParser):
             if s.startswith(FUNCTION_START) and len(rest) <= _MAX_NAME and _NAME_CHARS.fullmatch(rest):
                 return False
         # Not a call header.
-        if self._first_in_block:
+        if self._bare:
+            # Not a declared tool: the tag is text; scanning goes on after it.
+            self._consume(min(len(buf), len(FUNCTION_START)))
+            self._fallback()
+        elif self._first_in_block:
             # The <tool_call> is plain text; what follows is scanned again as content.
             self._fallback()
         else:
@@ -233,7 +250,7 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._state = _PARAM_HEADER
         elif tag == FUNCTION_END:
             self._close_call()
-            self._state = _AFTER_FUNCTION
+            self._state = _BARE_END if self._bare else _AFTER_FUNCTION
         else:
             self._close_call()
             self._close_block()
@@ -317,4 +334,14 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._close_block()
         else:
             self._state = _HEADER
+        return True
+
+    def _step_bare_end(self, final: bool) -> bool:
+        """After a bare call's `</function>`: a stray `</tool_call>` belongs to it."""
+        s = self._buf.lstrip()
+        if s.startswith(TOOL_CALL_END):
+            self._consume(len(self._buf) - len(s) + len(TOOL_CALL_END))
+        elif TOOL_CALL_END.startswith(s) and not final:
+            return False
+        self._close_block()
         return True
