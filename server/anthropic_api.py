@@ -23,7 +23,7 @@ from sse_starlette import ServerSentEvent
 
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request
-from mtp_serve.server.generation import complete, parse_output, stream_steps
+from mtp_serve.server.generation import complete, finish_reason, parse_output, stream_steps
 from mtp_serve.server.openai_format import speculative
 from mtp_serve.server.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from mtp_serve.server.service import Sampling, Service
@@ -131,14 +131,12 @@ def system_text(system) -> Optional[str]:
 def template_messages(req: CountTokensRequest) -> List[dict]:
     """Anthropic messages -> the OpenAI-style messages chat templates read."""
     out: List[dict] = []
-    # Chat templates take one system message, first: system messages among the
-    # turns join the system prompt, in order (it stays a prefix of the next turn's).
-    system = [system_text(req.system) or ""] + [system_text(m.content) for m in req.messages if m.role == "system"]
-    if any(system):
-        out.append({"role": "system", "content": "\n\n".join(s for s in system if s)})
+    if req.system:
+        out.append({"role": "system", "content": system_text(req.system)})
     for i, m in enumerate(req.messages):
         param = f"messages.{i}.content"
-        if m.role == "system":
+        if m.role == "system":  # chat.render merges system messages into the first one
+            out.append({"role": "system", "content": system_text(m.content)})
             continue
         if m.role == "user":
             texts = []
@@ -193,10 +191,10 @@ def openai_tools(tools: Optional[List[AnthropicTool]]) -> List[dict]:
     return out
 
 
-def template_kwargs(thinking: Optional[Thinking]) -> Optional[dict]:
-    if thinking is None:
-        return None
-    return {"enable_thinking": thinking.type != "disabled"}
+def template_kwargs(thinking: Optional[Thinking]) -> dict:
+    """Anthropic's semantics: no `thinking` means no thinking (Claude Code sends "adaptive"
+    unless MAX_THINKING_TOKENS=0)."""
+    return {"enable_thinking": thinking is not None and thinking.type != "disabled"}
 
 
 def render(svc: Service, req: CountTokensRequest) -> ChatPrompt:
@@ -275,7 +273,7 @@ async def messages(req: MessagesRequest, request: Request):
     for call in parsed.tool_calls:
         content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"])})
-    finish = "tool_calls" if parsed.tool_calls and done.finish_reason == "stop" else done.finish_reason
+    finish = finish_reason(done.finish_reason, bool(parsed.tool_calls))
     svc.metrics.request(request.url.path, 200)
     return message_body(mid, model, content, stop_reason(svc, finish, done.token_ids, done.text, stops),
                         usage(done.stats, len(prompt.ids)))

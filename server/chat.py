@@ -10,6 +10,8 @@ constrained decoding:
   hermes), so the model's first tokens name a function.
 - named: the prompt ends with the whole call header for that function; the
   model writes the arguments.
+(Anthropic's "any" is "required" and its "tool" a named function; the Responses
+API's choices are the same as chat's.)
 With thinking on, the forced text first closes the think block. The forced
 text is fed to the output parser as if the model had written it. A model that
 still writes a malformed call gets its text back as content.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from jinja2 import TemplateError
 
@@ -110,7 +112,7 @@ class ChatFormat:
             raise bad_request("tool_choice 'required' or a named function needs a tool-call format; this server runs with --tool-call-parser none", "tool_choice")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
+                one_system_message(messages),
                 tools=tools,
                 add_generation_prompt=True,
                 tokenize=False,
@@ -135,6 +137,17 @@ class ChatFormat:
         reasoning = ReasoningParser(starts_in_reasoning=True) if prompt.opens_reasoning else None
         tools = make_tool_parser(prompt.tool_parser, prompt.tools) if prompt.tool_parser != "none" else None
         return OutputParser(reasoning, tools)
+
+
+def one_system_message(messages: List[dict]) -> List[dict]:
+    """Qwen templates take one system message, first: system messages elsewhere (Codex sends
+    two developer messages, Claude Code system turns) join it, in order, so the prompt
+    stays a prefix of the next turn's."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if len(system) < 2 and (not system or messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(m["content"] for m in system if m.get("content"))
+    return [{"role": "system", "content": text}] + [m for m in messages if m.get("role") != "system"]
 
 
 def forced_tool_prefix(parser: str, name: Optional[str]) -> str:

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, List, Optional
 
-from mtp_serve.engine.engine_loop import RequestHandle
+from mtp_serve.engine.engine_loop import EngineError, RequestHandle
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatPrompt
-from mtp_serve.server.errors import ClientGone
+from mtp_serve.server.errors import APIError, ClientGone
 from mtp_serve.server.parsers import Event, ParsedOutput, ToolCallArgsDelta, ToolCallStart, collect
 
 if TYPE_CHECKING:
@@ -117,13 +117,11 @@ async def engine_chunks(svc: "Service", gen: Generation, handle: RequestHandle, 
         ids, text = [], []
         async for chunk in handle:
             timing.tokens(len(chunk.token_ids))
-            if chunk.finish_reason and gen.budget_applies:
-                ids += chunk.token_ids
-                text.append(chunk.text)
-                first = chunk
-                break
             ids += chunk.token_ids
             text.append(chunk.text)
+            if chunk.finish_reason and gen.budget_applies:
+                first = chunk  # the budget's end: decided below
+                break
             yield chunk
             if chunk.finish_reason:
                 finished(svc, handle, chunk)
@@ -140,7 +138,10 @@ async def engine_chunks(svc: "Service", gen: Generation, handle: RequestHandle, 
         if close:
             yield replace(first, token_ids=close_ids, text=close, logprobs=None, finish_reason=None)
         rest = max(1, left - len(close_ids))
-        second = svc.submit_ids(gen.prompt.ids + ids + close_ids, replace(gen.params, max_tokens=rest), gen.depth)
+        try:
+            second = svc.submit_ids(gen.prompt.ids + ids + close_ids, replace(gen.params, max_tokens=rest), gen.depth)
+        except APIError as e:  # queue full or engine stopped, mid-response: the engine failed this request
+            raise EngineError(e.message) from e
         current[0] = second
         async for chunk in second:
             timing.tokens(len(chunk.token_ids))

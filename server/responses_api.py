@@ -25,7 +25,6 @@ from typing import Any, Dict, List, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.generation import Generation, complete, parse_output, stream_steps
 from mtp_serve.server.openai_format import speculative

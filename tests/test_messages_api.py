@@ -1,15 +1,13 @@
 """The Anthropic Messages API (/v1/messages) over real HTTP: the `anthropic` SDK as the
 client, raw SSE read with httpx where the wire format matters."""
 
-import json
-
 import anthropic
 import httpx
 import openai
 import pytest
 
 from api_events import anthropic_blocks, check_anthropic_order, sse_events
-from test_server_support import SCRIPT, THINK, WEATHER_TOOL, serve
+from test_server_support import SCRIPT, WEATHER_TOOL, serve
 from test_server import wait_until
 
 WEATHER_PT, _, HI, _, ROME = (s[0] for s in SCRIPT)
