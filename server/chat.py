@@ -10,6 +10,8 @@ constrained decoding:
   hermes), so the model's first tokens name a function.
 - named: the prompt ends with the whole call header for that function; the
   model writes the arguments.
+(Anthropic's "any" is "required" and its "tool" a named function; the Responses
+API's choices are the same as chat's.)
 With thinking on, the forced text first closes the think block. The forced
 text is fed to the output parser as if the model had written it. A model that
 still writes a malformed call gets its text back as content.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from jinja2 import TemplateError
 
@@ -36,11 +38,9 @@ from mtp_serve.server.parsers import (
     make_tool_parser,
     prompt_opens_reasoning,
 )
-from mtp_serve.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from mtp_serve.server.schemas import ChatMessage
 
-TOOL_PARSERS = ("auto", "qwen3_coder", "hermes", "none")
 TURN_START = "<|im_start|>"  # ChatML, as every Qwen template uses
-REASONING_PARSERS = ("auto", "qwen3", "none")
 
 
 @dataclass
@@ -52,6 +52,11 @@ class ChatPrompt:
     tool_parser: str  # parser for this request's output ("none" when not parsing tools)
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
+
+    @classmethod
+    def raw(cls, ids: List[int]) -> "ChatPrompt":
+        """A prompt given as text or ids (/v1/completions): the output is not parsed."""
+        return cls("", ids, "", False, "none", None)
 
 
 def hf_tokenizer(tokenizer):
@@ -89,51 +94,65 @@ class ChatFormat:
 
     # -- prompt
 
-    def render(self, req: ChatCompletionRequest) -> ChatPrompt:
+    def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
+               tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages") -> ChatPrompt:
+        """`messages` as chat templates expect them; `tools` as OpenAI function tools;
+        `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
+        `tool_name` for one named function."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        if choice != "none" and choice != "auto" and not tools:
+        tools = tools or None
+        choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+        if tool_name is not None:
+            choice = "function"
+        if choice not in ("none", "auto") and not tools:
             raise bad_request("tool_choice requires tools", "tool_choice")
         parser = self.tool_parser if (tools and choice != "none") else "none"
         if parser == "none" and choice not in ("none", "auto"):
             raise bad_request("tool_choice 'required' or a named function needs a tool-call format; this server runs with --tool-call-parser none", "tool_choice")
-        kwargs = dict(req.chat_template_kwargs or {})
         try:
             text = self.tokenizer.apply_chat_template(
-                template_messages(req.messages),
+                one_system_message(messages),
                 tools=tools,
                 add_generation_prompt=True,
                 tokenize=False,
                 chat_template=self.template,
-                **kwargs,
+                **(template_kwargs or {}),
             )
         except (TemplateError, TypeError, ValueError, KeyError) as e:
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+            raise bad_request(f"the chat template rejected the messages: {e}", messages_param) from e
         opens = self.reasoning_parser != "none" and prompt_opens_reasoning(text)
         forced = ""
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            if name is not None and name not in {t["function"]["name"] for t in tools}:
-                raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-            forced = ("</think>\n\n" if opens else "") + forced_tool_prefix(parser, name)
+        if choice in ("required", "function"):
+            if tool_name is not None and tool_name not in {t["function"]["name"] for t in tools}:
+                raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
+            forced = ("</think>\n\n" if opens else "") + forced_tool_prefix(parser, tool_name)
         text += forced
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ChatPrompt(text, ids, forced, opens, parser, tools, self.checkpoints(ids))
 
     # -- output
 
-    def output_parser(self, prompt: ChatPrompt, *, streaming: bool, parallel_tool_calls: bool = True) -> OutputParser:
+    def output_parser(self, prompt: ChatPrompt) -> OutputParser:
         reasoning = ReasoningParser(starts_in_reasoning=True) if prompt.opens_reasoning else None
-        # incremental=False also when streaming: a call is sent (id and name, then its
-        # argument chunks) once `</tool_call>` closes it, so malformed or cut-off
-        # tool text can still come back as content instead of a half-sent call.
-        tools = make_tool_parser(prompt.tool_parser, prompt.tools, incremental=False) if prompt.tool_parser != "none" else None
+        tools = make_tool_parser(prompt.tool_parser, prompt.tools) if prompt.tool_parser != "none" else None
         return OutputParser(reasoning, tools)
 
 
+def one_system_message(messages: List[dict]) -> List[dict]:
+    """Qwen templates take one system message, first: system messages elsewhere (Codex sends
+    two developer messages, Claude Code system turns) join it, in order, so the prompt
+    stays a prefix of the next turn's."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if len(system) < 2 and (not system or messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(m["content"] for m in system if m.get("content"))
+    return [{"role": "system", "content": text}] + [m for m in messages if m.get("role") != "system"]
+
+
 def forced_tool_prefix(parser: str, name: Optional[str]) -> str:
+    """The text that forces a tool call (tool_choice required / named / any / tool), for
+    every API. The one place to swap for grammar-constrained decoding."""
     if parser == "hermes":
         return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
     return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
@@ -169,6 +188,3 @@ def template_messages(messages: List[ChatMessage]) -> List[dict]:
         out.append(d)
     return out
 
-
-def tools_as_dicts(tools: Any) -> Optional[list]:
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (`extra="ignore"`), as OpenAI clients expect;
 messages keep theirs (`extra="allow"`) so chat templates can read fields such
-as `reasoning_content`. Responses are plain dicts built in `responses.py`.
+as `reasoning_content`. Responses are plain dicts built in `openai_format.py`.
 """
 
 from __future__ import annotations

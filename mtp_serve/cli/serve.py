@@ -66,7 +66,8 @@ def main(argv=None) -> int:
 
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
-    from mtp_serve.server.app import ServerConfig, create_app, generation_defaults
+    from mtp_serve.server.app import create_app
+    from mtp_serve.server.service import ServerConfig, generation_defaults
 
     try:
         model_path = args.model or default_model_path()
