@@ -130,6 +130,10 @@ class EngineLoop:
             self._cond.notify()
         return handle
 
+    def check_constraint(self, constraint) -> None:
+        """Compile an output constraint (GrammarError when it cannot be); from any thread."""
+        self.scheduler.grammar_compiler().check(constraint)
+
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request: freed at the start of the next turn (or now, if still waiting)."""
         with self._cond:

@@ -34,7 +34,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What a request's output must match. `kind`: "json_schema" (source: the schema
-    as JSON text), "regex", or "lark" (llguidance's Lark dialect)."""
+    as JSON text), "regex", "lark" (llguidance's Lark dialect), or "llguidance" (its
+    grammar-list JSON, for grammars built from parts)."""
 
     kind: str
     source: str
@@ -69,6 +70,8 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_regex(c.source)
             elif c.kind == "lark":
                 grammar = llguidance.LLMatcher.grammar_from_lark(c.source)
+            elif c.kind == "llguidance":
+                grammar = c.source
             else:
                 raise GrammarError(f"unknown constraint kind {c.kind!r}")
         except (ValueError, RuntimeError) as e:

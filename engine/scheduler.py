@@ -23,7 +23,6 @@ from mtp_serve.models.mtp_model import MTPModel
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 
 from .batch import Batch
-from .chunks import GenerationChunk
 from .grammar import GrammarCompiler
 from .policy import DepthPolicy
 from .prefill import prefill

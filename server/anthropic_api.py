@@ -207,7 +207,9 @@ def render(svc: Service, req: CountTokensRequest) -> ChatPrompt:
             name = req.tool_choice.name
         else:
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    return svc.chat.render(template_messages(req), openai_tools(req.tools), choice, name, template_kwargs(req.thinking))
+    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
+    return svc.chat.render(template_messages(req), openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
+                           parallel_tool_calls=parallel)
 
 
 # ---------------------------------------------------------------- response

@@ -1,20 +1,16 @@
 """Chat prompts: messages -> the checkpoint's chat template -> token ids; and the output parsers.
 
-`tool_choice` is enforced through the prompt, since the engine has no
-constrained decoding:
+`tool_choice`:
 - "none": the tools still reach the template (the prompt stays a prefix of the
   agent's next turn), but the output is not parsed for tool calls.
 - "auto" (the default with tools): the output is parsed for tool calls.
-- "required": the generation prompt ends with the opening of a tool call
-  (`<tool_call>\\n<function=` for qwen3_coder, `<tool_call>\\n{"name": "` for
-  hermes), so the model's first tokens name a function.
-- named: the prompt ends with the whole call header for that function; the
-  model writes the arguments.
+- "required" / named: the output is constrained (grammar, `constraints.py`) to
+  a tool call in the model's format (one of the tools, or the named one; several
+  with parallel tool calls) whose arguments follow the tool's schema.
 (Anthropic's "any" is "required" and its "tool" a named function; the Responses
-API's choices are the same as chat's.)
-With thinking on, the forced text first closes the think block. The forced
-text is fed to the output parser as if the model had written it. A model that
-still writes a malformed call gets its text back as content.
+API's choices are the same as chat's.) An output constraint (`response_format`
+and the like) goes through the same place; with thinking on, the reasoning
+before either stays free.
 
 Streaming tool calls: a call goes out when its `</tool_call>` arrives, as one
 delta with id and name, then its argument chunks; text that never becomes a
@@ -26,10 +22,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from jinja2 import TemplateError
 
+from mtp_serve.engine.grammar import Constraint
+from mtp_serve.server import constraints
 from mtp_serve.server.errors import bad_request
 from mtp_serve.server.parsers import (
     OutputParser,
@@ -45,18 +43,18 @@ TURN_START = "<|im_start|>"  # ChatML, as every Qwen template uses
 
 @dataclass
 class ChatPrompt:
-    text: str  # the rendered prompt, forced text included
+    text: str  # the rendered prompt
     ids: List[int]
-    forced: str  # text appended after the generation prompt (tool_choice required/named)
+    constraint: Optional[Constraint]  # what the output (after any reasoning) must match: a forced tool call, a schema...
     opens_reasoning: bool  # the prompt ends inside an open think block
     tool_parser: str  # parser for this request's output ("none" when not parsing tools)
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
 
     @classmethod
-    def raw(cls, ids: List[int]) -> "ChatPrompt":
+    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None) -> "ChatPrompt":
         """A prompt given as text or ids (/v1/completions): the output is not parsed."""
-        return cls("", ids, "", False, "none", None)
+        return cls("", ids, constraint, False, "none", None)
 
 
 def hf_tokenizer(tokenizer):
@@ -66,8 +64,11 @@ def hf_tokenizer(tokenizer):
 class ChatFormat:
     """The model's chat template and parser choice, resolved once at start-up."""
 
-    def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto", reasoning_parser: str = "auto"):
+    def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto",
+                 reasoning_parser: str = "auto", check_constraint: Callable[[Constraint], None] = lambda c: None):
         self.tokenizer = hf_tokenizer(tokenizer)
+        self.added_tokens = set(self.tokenizer.get_added_vocab())
+        self.check_constraint = check_constraint  # compiles it: a 400 naming the problem
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
         self.template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -95,10 +96,11 @@ class ChatFormat:
     # -- prompt
 
     def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
-               tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages") -> ChatPrompt:
+               tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages",
+               output: Optional[Constraint] = None, parallel_tool_calls: bool = True) -> ChatPrompt:
         """`messages` as chat templates expect them; `tools` as OpenAI function tools;
         `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
-        `tool_name` for one named function."""
+        `tool_name` for one named function; `output`: a constraint on the output."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
         tools = tools or None
@@ -122,14 +124,22 @@ class ChatFormat:
         except (TemplateError, TypeError, ValueError, KeyError) as e:
             raise bad_request(f"the chat template rejected the messages: {e}", messages_param) from e
         opens = self.reasoning_parser != "none" and prompt_opens_reasoning(text)
-        forced = ""
+        forced = None
         if choice in ("required", "function"):
             if tool_name is not None and tool_name not in {t["function"]["name"] for t in tools}:
                 raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
-            forced = ("</think>\n\n" if opens else "") + forced_tool_prefix(parser, tool_name)
-        text += forced
+            forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ChatPrompt(text, ids, forced, opens, parser, tools, self.checkpoints(ids))
+        prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids))
+        if prompt.constraint is not None:
+            self.check_constraint(self.engine_constraint(prompt))
+        return prompt
+
+    def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
+        """What the engine enforces from the first output token: reasoning stays free."""
+        if prompt.constraint is None or not prompt.opens_reasoning:
+            return prompt.constraint
+        return constraints.after_reasoning(prompt.constraint, self.added_tokens)
 
     # -- output
 
@@ -148,14 +158,6 @@ def one_system_message(messages: List[dict]) -> List[dict]:
         return messages
     text = "\n\n".join(m["content"] for m in system if m.get("content"))
     return [{"role": "system", "content": text}] + [m for m in messages if m.get("role") != "system"]
-
-
-def forced_tool_prefix(parser: str, name: Optional[str]) -> str:
-    """The text that forces a tool call (tool_choice required / named / any / tool), for
-    every API. The one place to swap for grammar-constrained decoding."""
-    if parser == "hermes":
-        return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
-    return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
 
 
 def template_messages(messages: List[ChatMessage]) -> List[dict]:

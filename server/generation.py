@@ -36,7 +36,7 @@ log = logging.getLogger("mtp_serve.server")
 class Generation:
     """One request to the engine, whatever API it came in through."""
 
-    prompt: ChatPrompt  # ids, prompt-cache checkpoints, forced text, parser configuration
+    prompt: ChatPrompt  # ids, prompt-cache checkpoints, output constraint, parser configuration
     params: SamplingParams
     depth: int  # MTP drafts per round
     parallel_tool_calls: bool = True
@@ -139,7 +139,9 @@ async def engine_chunks(svc: "Service", gen: Generation, handle: RequestHandle, 
             yield replace(first, token_ids=close_ids, text=close, logprobs=None, finish_reason=None)
         rest = max(1, left - len(close_ids))
         try:
-            second = svc.submit_ids(gen.prompt.ids + ids + close_ids, replace(gen.params, max_tokens=rest), gen.depth)
+            # The reasoning is closed: an output constraint applies from the first token on.
+            params = replace(gen.params, max_tokens=rest, constraint=gen.prompt.constraint)
+            second = svc.submit_ids(gen.prompt.ids + ids + close_ids, params, gen.depth)
         except APIError as e:  # queue full or engine stopped, mid-response: the engine failed this request
             raise EngineError(e.message) from e
         current[0] = second
@@ -200,9 +202,9 @@ def keep_event(ev: Event, parallel: bool) -> bool:
 
 
 def parse_output(svc: "Service", gen: Generation, text: str) -> ParsedOutput:
-    """A whole output (the forced prefix first) as reasoning, content and tool calls."""
+    """A whole output as reasoning, content and tool calls."""
     parser = svc.chat.output_parser(gen.prompt)
-    events = parser.feed(gen.prompt.forced + text) + parser.finish()
+    events = parser.feed(text) + parser.finish()
     return collect([e for e in events if keep_event(e, gen.parallel_tool_calls)])
 
 
@@ -216,15 +218,14 @@ class Step:
     """One step of a streamed output: the parser's events for one engine chunk."""
 
     events: List[Event]
-    chunk: Optional[object] = None  # the GenerationChunk; None for the forced prefix
+    chunk: Optional[object] = None  # the GenerationChunk
     finish_reason: Optional[str] = None  # on the last step: "stop", "length" or "tool_calls"
 
 
 async def stream_steps(svc: "Service", gen: Generation, handle: RequestHandle, request) -> AsyncIterator[Step]:
-    """The shared streaming loop: first the forced prefix's events, then one step per chunk."""
+    """The shared streaming loop: one step per engine chunk."""
     parser = svc.chat.output_parser(gen.prompt)
     keep = lambda evs: [e for e in evs if keep_event(e, gen.parallel_tool_calls)]  # noqa: E731
-    yield Step(keep(parser.feed(gen.prompt.forced)))
     async for chunk in engine_chunks(svc, gen, handle, request, watch_disconnect=False):
         events = parser.feed(chunk.text)
         finish = None

@@ -13,6 +13,7 @@ from typing import List
 
 from fastapi import APIRouter, Request
 
+from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
 from mtp_serve.server.chat import ChatPrompt, template_messages
 from mtp_serve.server.errors import bad_request, error_body
@@ -46,7 +47,8 @@ def include_usage(req) -> bool:
 def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
-                           None if named else req.tool_choice, named, req.chat_template_kwargs)
+                           None if named else req.tool_choice, named, req.chat_template_kwargs,
+                           output=constraints.requested(req), parallel_tool_calls=req.parallel_tool_calls)
 
 
 @router.post("/v1/chat/completions")
@@ -54,8 +56,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     started = time.perf_counter()
     svc: Service = request.app.state.service
     check_common(svc, req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format type {req.response_format.type!r} is not supported (only 'text')", "response_format")
     prompt = await svc.run_cpu(render_chat, svc, req)
     top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = Sampling.of(req, max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop_list, logprobs=top)
@@ -104,8 +104,11 @@ async def completions(req: CompletionRequest, request: Request):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     ids = await svc.run_cpu(completion_prompt_ids, svc.tokenizer, req.prompt, svc.loaded.model.vocab_size)
+    constraint = constraints.requested(req)
+    if constraint is not None:
+        await svc.run_cpu(svc.check_constraint, constraint)
     sampling = Sampling.of(req, stop=req.stop_list)
-    gen = svc.generation(ChatPrompt.raw(ids), sampling, started=started, prompt_param="prompt")
+    gen = svc.generation(ChatPrompt.raw(ids, constraint), sampling, started=started, prompt_param="prompt")
     handle = svc.submit(gen)
     rid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
     echo = svc.tokenizer.decode(ids) if req.echo else ""

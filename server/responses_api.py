@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.generation import Generation, complete, parse_output, stream_steps
+from mtp_serve.server import constraints
 from mtp_serve.server.openai_format import speculative
 from mtp_serve.server.parsers import ContentDelta, ParsedOutput, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from mtp_serve.server.service import Sampling, Service
@@ -198,14 +199,13 @@ def thinking_kwargs(reasoning: Optional[dict]) -> Optional[dict]:
 
 def render(svc: Service, req: ResponsesRequest, history: List[dict]) -> tuple:
     """(prompt, the conversation so far without instructions, {function: namespace})."""
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
-        raise bad_request(f"text.format type {fmt.get('type')!r} is not supported yet (only 'text')", "text.format")
+    output = constraints.from_response_format((req.text or {}).get("format"), "text.format")
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     mode, name = tool_choice(req.tool_choice)
     tools, namespaces = function_tools(req.tools)
-    prompt = svc.chat.render(system + conversation, tools, mode, name, thinking_kwargs(req.reasoning), messages_param="input")
+    prompt = svc.chat.render(system + conversation, tools, mode, name, thinking_kwargs(req.reasoning), messages_param="input",
+                             output=output, parallel_tool_calls=req.parallel_tool_calls)
     return prompt, conversation, namespaces
 
 
@@ -264,7 +264,7 @@ def response_body(rid: str, created: int, svc: Service, req: ResponsesRequest, g
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning, "store": req.store, "temperature": gen.params.temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+        "text": (req.text or {}) | {"format": (req.text or {}).get("format") or {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
         "top_p": gen.params.top_p, "truncation": "disabled", "usage": usage_, "metadata": req.metadata or {},
     }
 

@@ -90,6 +90,13 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    # vLLM-style output constraints (server/constraints.py)
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[Dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -113,7 +120,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
-    response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Optional
 
 from mtp_serve.engine.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestHandle
+from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams
@@ -91,12 +92,13 @@ class Service:
         self.max_context = config.max_context or model_max_context(loaded.config)
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
-        self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
-                               tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                  prefill_chunk=config.prefill_chunk,
                                  prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
                                  policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
+        self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
+                               tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                               check_constraint=self.check_constraint)
         self.metrics = Metrics(self.engine)
         # One thread renders and tokenizes prompts: off the event loop, never concurrent.
         self.cpu = ThreadPoolExecutor(1, thread_name_prefix="mtp-tokenize")
@@ -117,6 +119,13 @@ class Service:
         if n_prompt == 0:
             raise bad_request("the prompt is empty", param)
         return self.max_context - n_prompt
+
+    def check_constraint(self, c: Constraint) -> None:
+        """Compile an output constraint now (a 400 naming the problem), not in the engine."""
+        try:
+            self.engine.check_constraint(c)
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format", "invalid_constraint") from e
 
     # -- the internal request
 
@@ -141,6 +150,7 @@ class Service:
                 stop_token_ids=tuple(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,
                 logprobs=s.logprobs,
+                constraint=self.chat.engine_constraint(prompt),
             )
         except ValueError as e:
             raise bad_request(str(e)) from e

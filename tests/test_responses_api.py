@@ -108,7 +108,7 @@ def _error(server, body, status=400):
     ({"input": [{"type": "computer_call", "call_id": "x"}]}, "computer_call", "input.0.type"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "not in tools", "tool_choice"),
     ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "not supported", "tools.0.type"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "json_object", "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "xml", "text.format"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
 ])
 def test_bad_input_is_a_400_in_openai_shape(server, body, needle, param):

@@ -243,7 +243,8 @@ def _post(server, body, path="/chat/completions", **kw):
     ({"messages": []}, "messages"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
     ({"n": 2}, "n"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content"),
 ])
