@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
                    "each request's depth is chosen up to it from measured costs and its own acceptance")
     p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
+                   "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
 
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp)
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab)
     except FileNotFoundError as e:
         return error(str(e))
     except CheckpointError as e:
