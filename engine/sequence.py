@@ -7,8 +7,8 @@ Lifecycle (`Sequence.status`):
 
 Cache ownership, one owner at a time: while PREFILLING the sequence owns its
 caches (`seq.caches`); when it starts RUNNING it hands them to the `Batch`
-(`take_caches`), which merges them with the other rows'; a batch gives a row's
-caches back (`give_caches`) when it leaves alone or is snapshotted.
+(`take_caches`), which merges them with the other rows' and drops them when the
+row leaves (a snapshot of them is a copy: `Batch.row_caches`).
 """
 
 from __future__ import annotations
@@ -144,11 +144,6 @@ class Sequence:
         if caches is None:
             raise RuntimeError(f"request {self.key!r}: its caches are owned elsewhere")
         return caches
-
-    def give_caches(self, caches: RowCaches) -> None:
-        if self.caches is not None:
-            raise RuntimeError(f"request {self.key!r} already owns caches")
-        self.caches = caches
 
     def apply(self, emitted: Emitted) -> GenerationChunk:
         """What a step's tokens do to the request: committed, stop-checked (kept
