@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs mtp-serve and everything it needs on a fresh machine.
 #   ./install.sh           the server (Python package, OpenBLAS on Linux)
-#   ./install.sh --test    also the test tools (pytest, openai, anthropic, scipy) and the agents the
+#   ./install.sh --test    also the test tools (pytest, openai, anthropic, scipy, schemathesis) and the agents the
 #                          end-to-end tests drive, from npm: opencode, Claude Code, Codex CLI
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -29,6 +29,13 @@ from mtp_serve.models.mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
 from .grammar import Constraint, apply_mask
 
 
+# Temperatures below this decode greedily (as vLLM does): dividing fp32 logits by a
+# smaller one overflows to inf, and the pipeline would return NaN.
+GREEDY_BELOW = 1e-5
+# Repetition penalties outside this range overflow fp32 logits the same way.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -55,14 +62,15 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}]")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -149,7 +157,7 @@ def apply_penalties(logits: mx.array, params: SamplingParams, history: TokenHist
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Temperature, then top-k, top-p, min-p; returns normalized log-probabilities [T, V]."""
-    logprobs = (logits / params.temperature) if params.temperature > 0 else logits
+    logprobs = logits / params.temperature if not params.greedy else logits
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     vocab = logprobs.shape[-1]
     if 0 < params.top_k < vocab:

@@ -119,17 +119,31 @@ class Scheduler:
         try:
             depths = self.policy.depths(rows)
             accepted = run_round(self.model, self.batch, depths)
-        except Exception as e:  # noqa: BLE001 - a broken round fails its rows, not the loop
-            for s in rows:
-                self._leave(s)
+            elapsed = time.perf_counter() - t0
+            out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
+        except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
+            self._drop_batch()
             return [(s.key, e) for s in rows]
-        self.policy.observe(rows, depths, accepted.counts, time.perf_counter() - t0)
+        self.policy.observe(rows, depths, accepted.counts, elapsed)
         self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
-        out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         for s in rows:
             if s.finished:
                 self._leave(s, store=True)
         return out
+
+    def _drop_batch(self) -> None:
+        """Forget every running row and its caches: after a failed round they may hold
+        part of it, so nothing of the batch is reused."""
+        for s in self.batch.rows:
+            self._forget(s)
+        self.batch = Batch()
+
+    def drop_all(self) -> None:
+        """Forget every request (the engine failed them all after a step failed as a whole)."""
+        self._drop_batch()
+        for s in self.prefilling:
+            self._forget(s)
+        self.prefilling.clear()
 
     def _store(self, seq: Sequence, tokens: List[int], caches) -> None:
         if self.prompt_cache is not None:

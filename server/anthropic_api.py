@@ -23,6 +23,7 @@ from sse_starlette import ServerSentEvent
 
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request
+from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
 from mtp_serve.server.generation import complete, finish_reason, parse_output, stream_steps
 from mtp_serve.server.openai_format import speculative
 from mtp_serve.server.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
@@ -35,7 +36,7 @@ router = APIRouter()
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
 
 class AnthropicMessage(_Model):
@@ -44,7 +45,7 @@ class AnthropicMessage(_Model):
 
 
 class AnthropicTool(_Model):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     type: Optional[str] = None
     name: str = Field(min_length=1, max_length=256)
     description: Optional[str] = None
@@ -81,8 +82,8 @@ class MessagesRequest(CountTokensRequest):
     metadata: Optional[Dict[str, Any]] = None
     # mtp-serve extras (extra_body), as on /v1/chat/completions
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
-    seed: Optional[int] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    seed: Optional[Seed] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
 
 
@@ -264,7 +265,7 @@ async def messages(req: MessagesRequest, request: Request):
     mid, model = f"msg_{uuid.uuid4().hex[:24]}", svc.config.served_model_name
     if req.stream:
         events = message_stream(svc, gen, handle, request, mid, model, stops)
-        return sse_response(svc, events, request.url.path, on_error=stream_error, ping=ping)
+        return sse_response(svc, events, request.scope, on_error=stream_error, ping=ping)
     done = await complete(svc, gen, handle, request)
     parsed = parse_output(svc, gen, done.text)
     content = []
@@ -276,7 +277,7 @@ async def messages(req: MessagesRequest, request: Request):
         content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"])})
     finish = finish_reason(done.finish_reason, bool(parsed.tool_calls))
-    svc.metrics.request(request.url.path, 200)
+    svc.metrics.request(request.scope, 200)
     return message_body(mid, model, content, stop_reason(svc, finish, done.token_ids, done.text, stops),
                         usage(done.stats, len(prompt.ids)))
 

@@ -4,31 +4,24 @@
 
 Routes live with their API (`openai_api.py`, `anthropic_api.py`, `responses_api.py`); they share the `Service`
 (`service.py`) and the internal request model (`generation.py`). Errors leave
-through `errors.py`.
+through `errors.py`. Before a route runs: the API key (`auth.py`, before the body
+is read), the body's size (`limits.py`), then the request limits
+(`limits.py`, on the parsed JSON, before validation).
 """
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from mtp_serve.server import anthropic_api, openai_api, responses_api
-from mtp_serve.server.errors import APIError, error_body, install_error_handlers
+from mtp_serve.server.auth import APIKeyMiddleware
+from mtp_serve.server.errors import error_body, install_error_handlers
+from mtp_serve.server.limits import BodyLimitMiddleware, check_request
+from mtp_serve.server.openapi import install_openapi
 from mtp_serve.server.service import ServerConfig, Service
-
-
-async def auth(request: Request) -> None:
-    """`Authorization: Bearer KEY` or `x-api-key: KEY` when the server has a key."""
-    key = request.app.state.service.config.api_key
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    token = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    if token != key:
-        raise APIError(401, "Invalid or missing API key" + ("" if token else ": send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"),
-                       type="invalid_request_error", code="invalid_api_key")
 
 
 def create_app(loaded, config: ServerConfig) -> FastAPI:
@@ -45,10 +38,14 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="mtp-serve", lifespan=lifespan)
     app.state.service = svc
-    install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.url.path, status))
+    install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.scope, status))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_bytes, on_reject=svc.metrics.request)
+    if config.api_key:  # added last: runs first
+        open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_key else set())
+        app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
     app.state.response_store = responses_api.ResponseStore()
     for api in (openai_api, anthropic_api, responses_api):
-        app.include_router(api.router, dependencies=[Depends(auth)])
+        app.include_router(api.router, dependencies=[Depends(check_request)])
 
     @app.get("/health")
     async def health():
@@ -57,7 +54,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         return {"status": "ok", "model": config.served_model_name, "mtp": loaded.mtp_status,
                 "queue_depth": svc.engine.queue_depth, "active": svc.engine.active_count}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)
     async def metrics():
         return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -65,13 +62,14 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         return {"id": config.served_model_name, "object": "model", "created": svc.created, "owned_by": "mtp-serve",
                 "root": str(loaded.path), "max_model_len": svc.max_context}
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         svc.check_model(model_id)
         return model_card()
 
+    install_openapi(app)
     return app

@@ -15,18 +15,30 @@ before either stays free.
 Streaming tool calls: a call goes out when its `</tool_call>` arrives, as one
 delta with id and name, then its argument chunks; text that never becomes a
 well-formed call (malformed, or cut off by max_tokens) is sent as content.
+
+Special tokens in client text (`PromptEncoder`): a message containing
+`<|im_end|>` must not close its turn. Before rendering, every special token in
+the messages' and tools' strings becomes a marker; the template's own special
+tokens stay as they are. The rendered text is then split at the template's
+special tokens (as the tokenizer itself does) and each piece between them is
+tokenized with the markers turned back into their text and special tokens read
+as text, so client text gets exactly the ids ordinary text would.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
 from mtp_serve.engine.grammar import Constraint
+from mtp_serve.engine.memory import trim_heap
 from mtp_serve.server import constraints
 from mtp_serve.server.errors import bad_request
 from mtp_serve.server.parsers import (
@@ -61,12 +73,88 @@ def hf_tokenizer(tokenizer):
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
+# Tokenizing a few MB leaves hundreds of MB freed but held by the C heap (tokenizers'
+# per-token buffers); past this many characters the encoder hands them back to the OS.
+TRIM_ABOVE_CHARS = 1 << 18
+
+
+class PromptEncoder:
+    """Prompt text -> token ids; special tokens in client text stay text unless allowed."""
+
+    def __init__(self, tokenizer, allow_special_in_content: bool = False):
+        self.tokenizer = tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        special |= set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        self.special = sorted((t for t in special if t), key=len, reverse=True)
+        self.escaping = bool(self.special) and not allow_special_in_content
+        self.special_re = re.compile("|".join(map(re.escape, self.special))) if self.special else None
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.as_text = None
+        if self.escaping and hasattr(backend, "encode_special_tokens"):
+            self.as_text = copy.deepcopy(backend)  # its own copy: the flag is per tokenizer, shared by threads
+            self.as_text.encode_special_tokens = True
+
+    def escape(self, value: Any) -> Tuple[Any, dict]:
+        """`value` (messages, tools) with each special token in its strings replaced by a
+        marker; returns it and {marker: token}."""
+        if not self.escaping:
+            return value, {}
+        nonce = secrets.token_hex(6)
+        markers = {tok: f"\ue000{nonce}.{i}\ue001" for i, tok in enumerate(self.special)}
+        used = {}
+
+        def sub(m: re.Match) -> str:
+            used[markers[m.group(0)]] = m.group(0)
+            return markers[m.group(0)]
+
+        def walk(v):
+            if isinstance(v, str):
+                return self.special_re.sub(sub, v) if self.special_re.search(v) else v
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            return v
+
+        return walk(value), used
+
+    def encode(self, text: str, markers: Optional[dict] = None) -> List[int]:
+        if markers:
+            ids = self._encode_marked(text, markers)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(text) > TRIM_ABOVE_CHARS:
+            trim_heap()
+        return ids
+
+    def _encode_marked(self, text: str, markers: dict) -> List[int]:
+        ids: List[int] = []
+        pos = 0
+        for m in self.special_re.finditer(text):  # the template's own special tokens
+            ids += self._as_text(text[pos : m.start()], markers)
+            ids.append(self.tokenizer.convert_tokens_to_ids(m.group(0)))
+            pos = m.end()
+        return ids + self._as_text(text[pos:], markers)
+
+    def _as_text(self, piece: str, markers: dict) -> List[int]:
+        if not piece:
+            return []
+        for marker, token in markers.items():
+            piece = piece.replace(marker, token)
+        if self.as_text is not None:
+            return self.as_text.encode(piece, add_special_tokens=False).ids
+        return self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+
+
 class ChatFormat:
     """The model's chat template and parser choice, resolved once at start-up."""
 
     def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto",
-                 reasoning_parser: str = "auto", check_constraint: Callable[[Constraint], None] = lambda c: None):
+                 reasoning_parser: str = "auto", special_tokens_in_content: bool = False,
+                 check_constraint: Callable[[Constraint], None] = lambda c: None):
         self.tokenizer = hf_tokenizer(tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, allow_special_in_content=special_tokens_in_content)
         self.added_tokens = set(self.tokenizer.get_added_vocab())
         self.check_constraint = check_constraint  # compiles it: a 400 naming the problem
         if chat_template is not None and Path(chat_template).is_file():
@@ -112,10 +200,11 @@ class ChatFormat:
         parser = self.tool_parser if (tools and choice != "none") else "none"
         if parser == "none" and choice not in ("none", "auto"):
             raise bad_request("tool_choice 'required' or a named function needs a tool-call format; this server runs with --tool-call-parser none", "tool_choice")
+        (escaped, escaped_tools), markers = self.encoder.escape([one_system_message(messages), tools])
         try:
             text = self.tokenizer.apply_chat_template(
-                one_system_message(messages),
-                tools=tools,
+                escaped,
+                tools=escaped_tools,
                 add_generation_prompt=True,
                 tokenize=False,
                 chat_template=self.template,
@@ -123,13 +212,17 @@ class ChatFormat:
             )
         except (TemplateError, TypeError, ValueError, KeyError) as e:
             raise bad_request(f"the chat template rejected the messages: {e}", messages_param) from e
+        except RecursionError as e:  # nesting is bounded before (limits.py); a template that recurses anyway
+            raise bad_request("the chat template could not render the request: nested too deeply", messages_param) from e
         opens = self.reasoning_parser != "none" and prompt_opens_reasoning(text)
         forced = None
         if choice in ("required", "function"):
             if tool_name is not None and tool_name not in {t["function"]["name"] for t in tools}:
                 raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
             forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encoder.encode(text, markers)
+        for marker, token in markers.items():
+            text = text.replace(marker, token)
         prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids))
         if prompt.constraint is not None:
             self.check_constraint(self.engine_constraint(prompt))

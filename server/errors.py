@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Dict, Optional
+import math
+import uuid
+from typing import Any, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -70,6 +73,26 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
+def error_response_body(path: str, exc: APIError) -> dict:
+    """`exc` in the shape of the API that `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(exc.status, exc.message)
+    return error_body(exc.message, exc.type, exc.param, exc.code)
+
+
+def json_safe(value: Any) -> Any:
+    """Validation details as JSON: non-finite floats and other objects as strings."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -106,9 +129,11 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
             first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
             param = _loc(first.get("loc", ()))
             msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+            msg = msg if first.get("type") != "recursion_loop" else "the request is nested too deeply"
             if len(errors) > 1:
                 msg += f" (and {len(errors) - 1} more error(s))"
-        detail = json.loads(json.dumps(errors, default=str))  # 422-style details, JSON-safe
+        # 422-style details without the offending input (it can be the whole request, or NaN)
+        detail = [json_safe({k: v for k, v in e.items() if k not in ("input", "url")}) for e in errors[:DETAILS]]
         return respond(request, 400, msg, "invalid_request_error", param, "invalid_value", detail=detail)
 
     @app.exception_handler(StarletteHTTPException)
@@ -122,12 +147,24 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
             on_error(request, 499)
         return Response(status_code=499)  # nobody reads it
 
-    @app.exception_handler(EngineError)
     @app.exception_handler(EngineStopped)
-    async def _engine(request: Request, exc: Exception):
-        return respond(request, 500, str(exc), "server_error")
+    async def _stopped(request: Request, exc: EngineStopped):
+        return respond(request, 503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError):
+        return respond(request, 500, internal_error(exc, request.url.path), "server_error")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return respond(request, 500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return respond(request, 500, internal_error(exc, request.url.path), "server_error")
+
+
+DETAILS = 20  # validation errors listed in `detail`
+
+
+def internal_error(exc: BaseException, where: str) -> str:
+    """A server-side failure: logged with its traceback under an id; the client gets the id only."""
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error %s on %s: %s: %s", ref, where, type(exc).__name__, exc, exc_info=exc)
+    return f"The server failed to process the request (internal error {ref}; see the server log)"

@@ -1,16 +1,36 @@
-"""Prometheus metrics (prometheus-client), one registry per app."""
+"""Prometheus metrics (prometheus-client), one registry per app.
+
+Requests are labelled with their route's template (`/v1/models/{model_id:path}`),
+never the raw path, and every path no route serves with `unmatched`: the number
+of series stays bounded whatever clients request.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.routing import Match
+from starlette.types import Scope
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+UNMATCHED = "unmatched"
+
+
+def route_label(scope: Scope) -> str:
+    """The template of the route serving this request (found again when it was answered
+    before routing, e.g. a 401 from the API-key check), or `unmatched`."""
+    route = scope.get("route")
+    if route is None:
+        for candidate in getattr(getattr(scope.get("app"), "router", None), "routes", ()):
+            if candidate.matches(scope)[0] is not Match.NONE:
+                route = candidate
+                break
+    return getattr(route, "path", None) or UNMATCHED
 
 
 class Metrics:
     def __init__(self, engine=None):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("mtp_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter("mtp_requests", "HTTP requests by route and status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("mtp_prompt_tokens", "Prompt tokens processed", registry=r)
         self.cached_tokens = Counter("mtp_cached_prompt_tokens", "Prompt tokens reused from the prompt cache", registry=r)
         self.completion_tokens = Counter("mtp_completion_tokens", "Completion tokens generated", registry=r)
@@ -24,8 +44,8 @@ class Metrics:
             self.queue_depth.set_function(lambda: engine.queue_depth)
             self.active.set_function(lambda: engine.active_count)
 
-    def request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+    def request(self, scope: Scope, status: int) -> None:
+        self.requests.labels(route_label(scope), str(status)).inc()
 
     def finished(self, stats) -> None:
         """Per-request totals from the engine's DecodeStats."""

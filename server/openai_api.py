@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
-from mtp_serve.server.chat import ChatPrompt, template_messages
+from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
 from mtp_serve.server.errors import bad_request, error_body
 from mtp_serve.server.generation import Generation, complete, engine_chunks, finish_reason, parse_output, stream_steps
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -25,10 +25,10 @@ from mtp_serve.server.streaming import sse_response
 router = APIRouter()
 
 
-def openai_stream(svc: Service, events, path: str):
+def openai_stream(svc: Service, events, scope):
     """OpenAI streams end with `data: [DONE]`; an engine failure is an error object first."""
-    return sse_response(svc, events, path, done={"data": "[DONE]"},
-                        on_error=lambda e: [fmt.sse(error_body(str(e), "server_error"))])
+    return sse_response(svc, events, scope, done={"data": "[DONE]"},
+                        on_error=lambda e: [fmt.sse(error_body(str(e), "server_error"))])  # e: what the client may read
 
 
 def check_common(svc: Service, req) -> None:
@@ -63,10 +63,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     handle = svc.submit(gen)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
     if req.stream:
-        return openai_stream(svc, chat_stream(svc, gen, handle, request, rid, created, include_usage(req)), request.url.path)
+        return openai_stream(svc, chat_stream(svc, gen, handle, request, rid, created, include_usage(req)), request.scope)
     done = await complete(svc, gen, handle, request)
     parsed = parse_output(svc, gen, done.text)
-    svc.metrics.request(request.url.path, 200)
+    svc.metrics.request(request.scope, 200)
     logprobs = fmt.chat_logprobs(done.logprobs, svc.token_text) if top is not None else None
     return fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
                          finish_reason(done.finish_reason, bool(parsed.tool_calls)), fmt.usage(done.stats, len(gen.prompt.ids)))
@@ -103,7 +103,7 @@ async def completions(req: CompletionRequest, request: Request):
     check_common(svc, req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    ids = await svc.run_cpu(completion_prompt_ids, svc.tokenizer, req.prompt, svc.loaded.model.vocab_size)
+    ids = await svc.run_cpu(completion_prompt_ids, svc.chat.encoder, req.prompt, svc.loaded.model.vocab_size)
     constraint = constraints.requested(req)
     if constraint is not None:
         await svc.run_cpu(svc.check_constraint, constraint)
@@ -114,9 +114,9 @@ async def completions(req: CompletionRequest, request: Request):
     echo = svc.tokenizer.decode(ids) if req.echo else ""
     if req.stream:
         events = completion_stream(svc, gen, handle, request, rid, created, include_usage(req), echo)
-        return openai_stream(svc, events, request.url.path)
+        return openai_stream(svc, events, request.scope)
     done = await complete(svc, gen, handle, request)
-    svc.metrics.request(request.url.path, 200)
+    svc.metrics.request(request.scope, 200)
     logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
     return fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs, fmt.usage(done.stats, len(ids)))
 
@@ -141,13 +141,14 @@ async def completion_stream(svc: Service, gen: Generation, handle, request, rid:
                 yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)))
 
 
-def completion_prompt_ids(tokenizer, prompt, vocab: int) -> List[int]:
+def completion_prompt_ids(encoder: PromptEncoder, prompt, vocab: int) -> List[int]:
+    """A raw prompt is the client's own text: its special tokens are read as such."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return encoder.encode(prompt)
     if prompt and all(isinstance(t, int) for t in prompt):
         if any(t < 0 or t >= vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
     if len(prompt) != 1:
         raise bad_request("exactly one prompt per request (batched prompts are not supported)", "prompt")
-    return completion_prompt_ids(tokenizer, prompt[0], vocab)
+    return completion_prompt_ids(encoder, prompt[0], vocab)

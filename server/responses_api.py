@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from mtp_serve.server.errors import APIError, bad_request
+from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
 from mtp_serve.server.generation import Generation, complete, parse_output, stream_steps
 from mtp_serve.server import constraints
 from mtp_serve.server.openai_format import speculative
@@ -38,7 +39,7 @@ STORE_ENTRIES = 512  # stored responses kept (least recently used go first)
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
     model: Optional[str] = None
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
@@ -57,8 +58,8 @@ class ResponsesRequest(BaseModel):
     # mtp-serve extras (extra_body), as on /v1/chat/completions
     top_k: Optional[int] = Field(default=None, ge=-1)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
-    seed: Optional[int] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    seed: Optional[Seed] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
 
 
@@ -285,7 +286,8 @@ async def responses(req: ResponsesRequest, request: Request):
     history = store.get(req.previous_response_id) if req.previous_response_id else []
     prompt, conversation, namespaces = await svc.run_cpu(render, svc, req, history)
     sampling = Sampling.of(req, max_tokens=req.max_output_tokens)
-    gen = svc.generation(prompt, sampling, started=started, prompt_param="input", parallel_tool_calls=req.parallel_tool_calls)
+    gen = svc.generation(prompt, sampling, started=started, prompt_param="input", max_tokens_param="max_output_tokens",
+                         parallel_tool_calls=req.parallel_tool_calls)
     handle = svc.submit(gen)
     rid, created = new_id("resp"), int(time.time())
 
@@ -303,11 +305,11 @@ async def responses(req: ResponsesRequest, request: Request):
             return [ev("response.failed", response=response_body(rid, created, svc, req, gen, status="failed", output=[],
                                                                  error={"code": "server_error", "message": str(e)}))]
 
-        return sse_response(svc, response_stream(svc, req, gen, handle, request, rid, created, ev, finish, namespaces), request.url.path,
+        return sse_response(svc, response_stream(svc, req, gen, handle, request, rid, created, ev, finish, namespaces), request.scope,
                             on_error=failed)
     done = await complete(svc, gen, handle, request)
     parsed = parse_output(svc, gen, done.text)
-    svc.metrics.request(request.url.path, 200)
+    svc.metrics.request(request.scope, 200)
     return finish(output_items(parsed, namespaces), done.stats, done.finish_reason, parsed.reasoning or "")
 
 

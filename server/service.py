@@ -21,6 +21,7 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatFormat, hf_tokenizer
 from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.generation import Generation
+from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -43,6 +44,11 @@ class ServerConfig:
     prompt_cache_entries: int = 16
     prompt_cache_bytes: int = 4 << 30
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    limits: Limits = field(default_factory=Limits)  # request size, counts, nesting (limits.py)
+    default_max_tokens: Optional[int] = None  # a request without max_tokens: None = the rest of the context
+    special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
+    metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
+    tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
 
 
 def model_max_context(config: dict) -> int:
@@ -57,6 +63,15 @@ def generation_defaults(path) -> dict:
     except (OSError, ValueError):
         return {}
     return {k: gen[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(gen.get(k), (int, float))}
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token's text can have (a bound from its vocabulary strings)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return 1 << 10
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
 @dataclass
@@ -92,16 +107,19 @@ class Service:
         self.max_context = config.max_context or model_max_context(loaded.config)
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        self.max_token_bytes = longest_token_bytes(self.tokenizer)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                  prefill_chunk=config.prefill_chunk,
                                  prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
                                  policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                               special_tokens_in_content=config.special_tokens_in_content,
                                check_constraint=self.check_constraint)
         self.metrics = Metrics(self.engine)
-        # One thread renders and tokenizes prompts: off the event loop, never concurrent.
-        self.cpu = ThreadPoolExecutor(1, thread_name_prefix="mtp-tokenize")
+        # Prompts are checked, rendered and tokenized off the event loop, on a few threads
+        # (tokenizers releases the GIL), so one huge request cannot hold up the others.
+        self.cpu = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="mtp-tokenize")
         self.created = int(time.time())
 
     # -- checks
@@ -127,11 +145,32 @@ class Service:
         except GrammarError as e:
             raise bad_request(str(e), "response_format", "invalid_constraint") from e
 
+    def check_prompt_bytes(self, n_bytes: int) -> None:
+        """Before any rendering or tokenizing: no token holds more than `max_token_bytes`
+        bytes, so a prompt whose text needs more tokens than the context cannot fit."""
+        at_least = n_bytes // self.max_token_bytes
+        if at_least >= self.max_context:
+            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt's "
+                              f"{n_bytes} bytes of text are at least {at_least} tokens", None, "context_length_exceeded")
+
+    def max_tokens(self, requested: Optional[int], n_prompt: int, room: int, param: str) -> int:
+        """vLLM's rule: a completion that cannot fit beside the prompt is refused, never cut;
+        without max_tokens, the rest of the context (or --default-max-tokens, when smaller)."""
+        if requested is None:
+            return min(room, self.config.default_max_tokens or room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; you requested "
+                              f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion). "
+                              f"Reduce the prompt or the completion length.", param, "context_length_exceeded")
+        return requested
+
     # -- the internal request
 
-    def generation(self, prompt, s: Sampling, *, started: float, prompt_param: str, **options) -> Generation:
+    def generation(self, prompt, s: Sampling, *, started: float, prompt_param: str, max_tokens_param: str = "max_tokens",
+                   **options) -> Generation:
         """Check the prompt's length and build the engine request (sampling defaults from the checkpoint)."""
         room = self.check_context(len(prompt.ids), prompt_param)
+        max_tokens = self.max_tokens(s.max_tokens, len(prompt.ids), room, max_tokens_param)
         d = self.config.sampling_defaults
         pick = lambda k, fallback: getattr(s, k) if getattr(s, k) is not None else d.get(k, fallback)  # noqa: E731
         top_k = pick("top_k", 0)
@@ -145,7 +184,7 @@ class Service:
                 frequency_penalty=float(pick("frequency_penalty", 0.0)),
                 repetition_penalty=float(pick("repetition_penalty", 1.0)),
                 seed=s.seed,
-                max_tokens=min(s.max_tokens, room) if s.max_tokens else room,
+                max_tokens=max_tokens,
                 stop=tuple(s.stop),
                 stop_token_ids=tuple(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,

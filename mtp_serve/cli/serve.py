@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mtp_serve import BACKEND
 from mtp_serve.cli.common import OneLineParser, fail
+from mtp_serve.server.limits import Limits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -30,14 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for an engine slot (then 429)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health")
+    p.add_argument("--metrics-without-key", action="store_true", help="with --api-key: leave /metrics open to a scraper")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the free batch slots (then 429)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
     p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
+    p.add_argument("--default-max-tokens", type=int, help="completion length of a request without max_tokens "
+                   "(default: the rest of the context)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special tokens (<|im_end|>, ...) in message text as control tokens, not as text")
+    limits = Limits()
+    p.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes, help="largest request body (then 413)")
+    p.add_argument("--max-messages", type=int, default=limits.max_messages, help="messages (or input items) per request")
+    p.add_argument("--max-tools", type=int, default=limits.max_tools, help="tools per request")
+    p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="deepest JSON nesting in a request")
+    p.add_argument("--max-stop", type=int, default=limits.max_stop, help="stop sequences per request")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 
@@ -58,6 +70,10 @@ def main(argv=None) -> int:
         return error("--max-batch-size and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 2:
         return error("--max-context must be at least 2")
+    small = [f for f in ("max_request_bytes", "max_messages", "max_tools", "max_json_depth", "max_stop", "default_max_tokens")
+             if getattr(args, f) is not None and getattr(args, f) < 1]
+    if small:
+        return error(f"--{small[0].replace('_', '-')} must be at least 1")
     if args.chat_template is not None:
         import os
 
@@ -104,6 +120,11 @@ def main(argv=None) -> int:
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
         sampling_defaults=generation_defaults(loaded.path),
+        limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
+                      max_json_depth=args.max_json_depth, max_stop=args.max_stop),
+        default_max_tokens=args.default_max_tokens,
+        special_tokens_in_content=args.allow_special_tokens_in_content,
+        metrics_without_key=args.metrics_without_key,
     )
     app = create_app(loaded, config)
     svc = app.state.service
