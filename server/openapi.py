@@ -79,6 +79,11 @@ def install_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+# Before OpenAPI 3.2 a text/event-stream `schema` describes one event (its fields as sent).
+SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def document(path: str, method: str, op: dict) -> None:
     responses = op.setdefault("responses", {})
     responses.pop("422", None)
@@ -87,7 +92,7 @@ def document(path: str, method: str, op: dict) -> None:
         ok["content"] = {"application/json": {"schema": BODIES[(path, method)]}}
     if path in STREAMING:
         ok["description"] = "The response; with `stream: true`, server-sent events"
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     if path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     error = ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PATHS) else OPENAI_ERROR
