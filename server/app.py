@@ -27,7 +27,7 @@ from sse_starlette import EventSourceResponse
 
 from mtp_serve.engine.engine_loop import EngineError, EngineLoop, EngineStopped, QueueFull, RequestHandle
 from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.prompt_cache import PromptCache
+from mtp_serve.engine.prompt_cache_setup import open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatFormat, ChatPrompt, hf_tokenizer
 from mtp_serve.server.errors import APIError, bad_request, error_body, install_error_handlers
@@ -54,8 +54,10 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
     ping_seconds: float = 15.0  # SSE keep-alive comment interval
-    prompt_cache_entries: int = 16
-    prompt_cache_bytes: int = 4 << 30
+    prompt_cache_bytes: Optional[int] = None  # None: a quarter of the available memory; 0: no prompt cache
+    prompt_cache_interval: Optional[int] = None  # tokens between snapshots inside long messages; None: per model; 0: none
+    prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: memory only)
+    prompt_cache_disk_bytes: Optional[int] = None  # None: half the free space, at most 16 GiB
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
 
 
@@ -83,9 +85,11 @@ class Service:
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+        prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
+                                         interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
+                                         disk_bytes=config.prompt_cache_disk_bytes)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
-                                 prefill_chunk=config.prefill_chunk,
-                                 prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
+                                 prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
                                  policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
         self.metrics = Metrics(self.engine)
         # One thread renders and tokenizes prompts: off the event loop, never concurrent.
@@ -387,7 +391,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
         ids = await svc.run_cpu(completion_prompt_ids, svc.tokenizer, req.prompt, loaded.model.vocab_size)
         room = svc.check_context(len(ids), "prompt")
         params = svc.sampling(req, req.max_tokens, room, req.logprobs)
-        handle = svc.submit(ids, params, svc.depth(req))
+        handle = svc.submit(ids, params, svc.depth(req), svc.chat.checkpoints(ids))
         rid, created, timing = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), Timing(svc.metrics, start)
         echo = svc.tokenizer.decode(ids) if req.echo else ""
         path = request.url.path
