@@ -65,8 +65,7 @@ class PromptCache:
         self.own_bytes = 0
         self._clock = itertools.count(1)
         self.counts = {"hits_ram": 0, "hits_disk": 0, "misses": 0, "reused_ram": 0, "reused_disk": 0,
-                       "stored": 0, "evictions_ram": 0,
-                       "snapshot_s": 0.0}
+                       "stored": 0, "evictions_ram": 0, "snapshot_s": 0.0}
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -97,14 +96,14 @@ class PromptCache:
             entry = self.disk.lookup(tokens, chain, len(tokens) - 1, needs_head)
             if entry is None or (snap is not None and entry.n <= snap.n):
                 break
+            same = self.by_key.get(entry.key)
+            if same is not None:  # in memory, but without the head's state
+                self._remove(same)
             loaded = self.disk.read(entry, self.blocks.blocks.get)
             if loaded is not None:  # else dropped as corrupt: try the next best
                 snap, blocks = loaded
                 for name, block in blocks.items():
                     self.blocks.add(name, block)
-                same = self.by_key.get(snap.key)
-                if same is not None:  # the one in memory lacks the head's state
-                    self._remove(same)
                 self._insert(snap)
                 tier = "disk"
                 break
