@@ -238,8 +238,6 @@ def summary(rows: list, shared: int) -> None:
 
 def snapshot_cost(w: Workload, args, model_dir: Path) -> dict:
     """Prefill of one long multi-message prompt through the scheduler, alternating modes."""
-    import mtp_serve  # noqa: F401  (before mlx)
-
     from mtp_serve.engine.prompt_cache import PromptCache
     from mtp_serve.engine.sampling import SamplingParams
     from mtp_serve.engine.scheduler import Scheduler

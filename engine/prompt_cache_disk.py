@@ -1,17 +1,18 @@
 """The prompt cache's disk tier: snapshots that outlive the process.
 
-    disk = DiskTier(Path("~/.cache/mtp-serve"), "Qwen3.6-27B", fingerprint, max_bytes=16 << 30)
+    disk = DiskTier(Path("~/.cache/mtp-serve"), "Qwen3.6-27B", fingerprint, 16 << 30, layout)
     disk.write(snap, blocks)        # from the engine thread; written by a background thread
     entry = disk.lookup(tokens, chain, max_n, needs_head)
     snap, blocks = disk.read(entry, have)   # on the engine thread, when a prompt needs it
 
-Layout: DIR/<model>-<fingerprint[:16]>/ holds `index.json` (what is there, for
-a fast start) and safetensors files named `<fingerprint[:16]>-<kind>-<hash>`:
+Layout: DIR/<model>-<fingerprint[:16]>/ (the weights decide: the same weights
+served under another name find their folder) holds `index.json` (what is
+there, for a fast start) and safetensors files named `<fingerprint[:16]>-<kind>-<hash>`:
 `s` a snapshot's own arrays, `k` a block's backbone KV, `h` a block's head KV
 (blocks are written once and shared by the snapshots naming them, as in
 memory). Another model's (or other weights') files live in another folder and
 are never looked at. At start the index is checked against the folder: files
-it lacks are adopted from their own metadata, partial writes (`*.tmp`) are
+it lacks are read whole and adopted when sound, partial writes (`*.tmp`) are
 removed, and a file that is corrupt or not ours is skipped with a warning;
 reading a file that turns out corrupt drops it, with a warning, and the
 request prefills instead. Nothing here raises into the engine.
@@ -81,19 +82,22 @@ class DiskEntry:
         return [("k", b) for b in self.chain] + [("h", b) for b in self.chain[: self.head_blocks]]
 
 
-def model_folder(name: str, fingerprint: str) -> str:
+def model_folder(root: Path, name: str, fingerprint: str) -> Path:
+    """`root/<name>-<fingerprint[:16]>`, or the folder these weights already have under
+    another name (the name is for people; the fingerprint decides)."""
+    have = sorted(p for p in root.glob(f"*-{fingerprint[:16]}") if p.is_dir()) if root.is_dir() else []
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
-    return f"{slug[:64]}-{fingerprint[:16]}"
+    return have[0] if have else root / f"{slug[:64]}-{fingerprint[:16]}"
 
 
 class DiskTier:
     def __init__(self, root: Path, model_name: str, fingerprint: str, max_bytes: int, layout: Tuple[bool, ...]):
-        self.dir = Path(root).expanduser() / model_folder(model_name, fingerprint)
+        self.dir = model_folder(Path(root).expanduser(), model_name, fingerprint)
         self.dir.mkdir(parents=True, exist_ok=True)  # an unusable folder is an error at start-up
         self.model, self.fingerprint, self.max_bytes = model_name, fingerprint, max_bytes
         self.layout = layout
         self.prefix = fingerprint[:16]
-        self._meta = {"model": model_name, "weights": fingerprint}
+        self._meta = {"weights": fingerprint}  # what a file must say to be read; it also names the model
         self.entries: Dict[str, DiskEntry] = {}
         self.block_files: Dict[str, int] = {}  # file name -> bytes
         self._bytes = 0  # of the snapshot and block files listed
@@ -160,7 +164,7 @@ class DiskTier:
             return {}, {}
         try:
             data = json.loads(path.read_text())
-            if data.get("model") != self.model or data.get("weights") != self.fingerprint or data.get("block_tokens") != BLOCK_TOKENS:
+            if data.get("weights") != self.fingerprint or data.get("block_tokens") != BLOCK_TOKENS:
                 raise ValueError("it names other weights or another format")
             return ({k: DiskEntry.of(k, d) for k, d in data["snapshots"].items()},
                     {str(k): int(v) for k, v in data["blocks"].items()})
@@ -273,9 +277,10 @@ class DiskTier:
         files = []
         for kind, name, fname in wanted:
             tensors, dtypes = block_tensors(store.blocks[name], head=kind == "h")
-            files.append((fname, tensors, dtypes, {**self._meta, "kind": "kv" if kind == "k" else "head", "block": name}))
+            files.append((fname, tensors, dtypes, {**self._meta, "model": self.model, "kind": "kv" if kind == "k" else "head",
+                                                   "block": name}))
         tensors, dtypes, info = snapshot_tensors(snap)
-        meta = {**self._meta, "kind": "snapshot", "info": info}
+        meta = {**self._meta, "model": self.model, "kind": "snapshot", "info": info}
         entry = DiskEntry(key, snap.n, snap.chain, snap.tail.copy(), snap.has_head, snap.head_blocks, 0, time.time(), shared)
         files.append((self._snap_file(key), tensors, dtypes, meta))
         size = sum(a.nbytes for f in files for a in f[1].values())

@@ -50,7 +50,7 @@ def assert_same_state(a, b):
 
 
 def disk_tier(lm, root, max_bytes=1 << 30, name="m"):
-    fp = weights_fingerprint(weight_files(lm.path), name)
+    fp = weights_fingerprint(weight_files(lm.path))
     return DiskTier(root, name, fp, max_bytes, tuple(layer.is_linear for layer in lm.model.layers))
 
 
@@ -137,8 +137,9 @@ def test_disk_tier_survives_a_restart_exactly(loaded, tmp_path):
     run(lm, CONV_A, first)
     first.close()
     stored = len(first)
-    restarted = PromptCache(interval=256, disk=disk_tier(lm, tmp_path))  # a new process would build the same
-    assert len(restarted.disk) == stored and len(restarted) == 0
+    # A new process builds the same; the same weights served under another name find the folder.
+    restarted = PromptCache(interval=256, disk=disk_tier(lm, tmp_path, name="renamed"))
+    assert len(restarted.disk) == stored and len(restarted) == 0 and restarted.disk.dir == first.disk.dir
     warm, warm_stats = run(lm, CONV_B, restarted)
     cold_cache = PromptCache(interval=256)
     cold, cold_stats = run(lm, CONV_B, cold_cache)
