@@ -80,3 +80,5 @@ class PromptCacheCollector:
         yield CounterMetricFamily("mtp_prompt_cache_disk_written_bytes", "Bytes written to disk", value=s["disk_write_bytes"])
         yield CounterMetricFamily("mtp_prompt_cache_disk_skipped_files", "Corrupt, partial or foreign files skipped",
                                   value=s["disk_skipped_files"])
+        yield CounterMetricFamily("mtp_prompt_cache_disk_dropped_writes", "Snapshots not written: the disk fell behind "
+                                  "(over 1 GiB queued) or one is larger than the disk budget", value=s["disk_dropped_writes"])
