@@ -185,6 +185,8 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()  # the disk tier's writes in flight
 
     # -- engine thread
 

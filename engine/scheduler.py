@@ -14,6 +14,7 @@ prefill and leave when done or cancelled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -26,10 +27,12 @@ from .batch import Batch
 from .grammar import GrammarCompiler
 from .policy import DepthPolicy
 from .prefill import prefill
-from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
 from .speculative import run_round
+
+log = logging.getLogger("mtp_serve.engine")
 
 
 class Scheduler:
@@ -58,8 +61,11 @@ class Scheduler:
     # -- requests
 
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
+        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
+        if self.prompt_cache is not None:
+            checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
         grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
-        seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, self.prompt_cache, checkpoints,
+        seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
                            prior_acceptance=self.policy.start_rates(), grammar=grammar)
         self.seqs[key] = seq
         self.prefilling.append(seq)
@@ -98,7 +104,9 @@ class Scheduler:
 
     def _prefill_step(self, seq: Sequence) -> Iterator[Tuple[Hashable, Any]]:
         try:
-            emitted = prefill(self.model, seq, self.prefill_chunk, checkpoint_saver(self.prompt_cache))
+            if self.prompt_cache is not None and seq.prefilled == 0 and seq.cached_tokens == 0:
+                self._restore(seq)
+            emitted = prefill(self.model, seq, self.prefill_chunk, self._checkpoint if self.prompt_cache is not None else None)
         except Exception as e:  # noqa: BLE001 - reported to this request only
             self._forget(self.prefilling.popleft())
             yield seq.key, e
@@ -145,9 +153,28 @@ class Scheduler:
             self._forget(s)
         self.prefilling.clear()
 
+    def _restore(self, seq: Sequence) -> None:
+        """Start from the longest stored prefix. Looked up when the prefill starts, not when
+        the request arrived: one that came in with others finds the snapshots their prefills
+        stored (the shared system prompt of agents started together)."""
+        try:
+            hit = self.prompt_cache.restore(seq.prompt, needs_head=seq.tracks_head)
+        except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
+            return
+        if hit is not None:
+            seq.start_from(hit.n, hit.caches, hit.owed)
+
+    def _checkpoint(self, seq: Sequence, n: int) -> None:
+        self._store(seq, seq.prompt[:n], seq.caches)
+
     def _store(self, seq: Sequence, tokens: List[int], caches) -> None:
-        if self.prompt_cache is not None:
-            self.prompt_cache.store(take_snapshot(tokens, caches.backbone, caches.head, seq.owed.hidden))
+        if self.prompt_cache is None:
+            return
+        try:
+            self.prompt_cache.store(tokens, caches, seq.owed.hidden)
+        except Exception:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache snapshot of %d tokens failed", seq.key, len(tokens))
 
     def _leave(self, seq: Sequence, store: bool = False) -> None:
         if store:

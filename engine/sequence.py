@@ -145,6 +145,13 @@ class Sequence:
             raise RuntimeError(f"request {self.key!r}: its caches are owned elsewhere")
         return caches
 
+    def start_from(self, n: int, caches: RowCaches, owed_hidden: Optional[mx.array]) -> None:
+        """Before prefill: start from a prompt-cache snapshot of the first n prompt tokens."""
+        self.caches = RowCaches(caches.backbone, caches.head if self.tracks_head else None)
+        if self.tracks_head:
+            self.owed.hidden = owed_hidden
+        self.cached_tokens = self.stats.cached_tokens = n
+
     def apply(self, emitted: Emitted) -> GenerationChunk:
         """What a step's tokens do to the request: committed, stop-checked (kept
         tokens only count), history and stats updated. Returns what the client gets."""
@@ -169,14 +176,13 @@ class Sequence:
 
 
 def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int,
-                 prompt_cache=None, checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None,
+                 checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None,
                  grammar: Optional[RowGrammar] = None) -> Sequence:
-    """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot;
-    `grammar`: the matcher of `params.constraint`."""
+    """A fresh sequence with empty caches; `grammar`: the matcher of `params.constraint`."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     max_depth = max_depth if model.has_mtp else 0
-    seq = Sequence(
+    return Sequence(
         key=key,
         tracks_head=model.has_mtp,
         prompt=list(prompt),
@@ -191,11 +197,3 @@ def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: Sam
         checkpoints=tuple(checkpoints),
         grammar=grammar,
     )
-    snap = prompt_cache.lookup(prompt, needs_head=seq.tracks_head) if prompt_cache is not None else None
-    if snap is not None:
-        backbone, head, owed_hidden = snap.restore()
-        seq.caches = RowCaches(backbone, head if seq.tracks_head else None)
-        if seq.tracks_head:
-            seq.owed.hidden = owed_hidden
-        seq.cached_tokens = seq.stats.cached_tokens = len(snap.tokens)
-    return seq

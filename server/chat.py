@@ -64,9 +64,9 @@ class ChatPrompt:
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
 
     @classmethod
-    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None) -> "ChatPrompt":
+    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = ()) -> "ChatPrompt":
         """A prompt given as text or ids (/v1/completions): the output is not parsed."""
-        return cls("", ids, constraint, False, "none", None)
+        return cls("", ids, constraint, False, "none", None, checkpoints)
 
 
 def hf_tokenizer(tokenizer):
@@ -172,14 +172,13 @@ class ChatFormat:
         self.turn_start_id = turn if isinstance(turn, int) and self.tokenizer.convert_ids_to_tokens(turn) == TURN_START else None
 
     def checkpoints(self, ids: List[int]) -> tuple:
-        """Where the last turn (the generation prompt) starts. An agent's next request
-        repeats everything before it, while the reply after it comes back re-rendered
-        (reasoning dropped, arguments reformatted), so a snapshot there is what the
-        next turn can reuse."""
-        if self.turn_start_id is None or self.turn_start_id not in ids:
+        """Every message boundary: where each `<|im_start|>` is. The first ones end the
+        system prompt and tool schemas, which other conversations share; the last one
+        starts the generation prompt, before the reply that an agent's next request
+        sends back re-rendered (reasoning dropped, arguments reformatted)."""
+        if self.turn_start_id is None:
             return ()
-        last = len(ids) - 1 - ids[::-1].index(self.turn_start_id)
-        return (last,) if last > 0 else ()
+        return tuple(i for i, t in enumerate(ids) if t == self.turn_start_id and i > 0)
 
     # -- prompt
 

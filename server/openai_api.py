@@ -108,7 +108,7 @@ async def completions(req: CompletionRequest, request: Request):
     if constraint is not None:
         await svc.run_cpu(svc.check_constraint, constraint)
     sampling = Sampling.of(req, stop=req.stop_list)
-    gen = svc.generation(ChatPrompt.raw(ids, constraint), sampling, started=started, prompt_param="prompt")
+    gen = svc.generation(ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids)), sampling, started=started, prompt_param="prompt")
     handle = svc.submit(gen)
     rid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
     echo = svc.tokenizer.decode(ids) if req.echo else ""

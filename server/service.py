@@ -16,7 +16,7 @@ from typing import Optional
 from mtp_serve.engine.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestHandle
 from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.prompt_cache import PromptCache
+from mtp_serve.engine.prompt_cache_setup import open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatFormat, hf_tokenizer
 from mtp_serve.server.errors import APIError, bad_request
@@ -41,8 +41,10 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
     ping_seconds: float = 15.0  # SSE keep-alive interval
-    prompt_cache_entries: int = 16
-    prompt_cache_bytes: int = 4 << 30
+    prompt_cache_bytes: Optional[int] = None  # None: a quarter of the available memory; 0: no prompt cache
+    prompt_cache_interval: Optional[int] = None  # tokens between snapshots inside long messages; None: per model; 0: none
+    prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: memory only)
+    prompt_cache_disk_bytes: Optional[int] = None  # None: half the free space, at most 16 GiB
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     limits: Limits = field(default_factory=Limits)  # request size, counts, nesting (limits.py)
     default_max_tokens: Optional[int] = None  # a request without max_tokens: None = the rest of the context
@@ -108,9 +110,11 @@ class Service:
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
+                                         interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
+                                         disk_bytes=config.prompt_cache_disk_bytes)
         self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
-                                 prefill_chunk=config.prefill_chunk,
-                                 prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
+                                 prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
                                  policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from mtp_serve import BACKEND
-from mtp_serve.cli.common import OneLineParser, fail
+from mtp_serve.cli.common import OneLineParser, byte_size, fail
 from mtp_serve.server.limits import Limits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -37,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
     p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, metavar="SIZE",
+                   help="memory for reusable model state across requests, e.g. 8G (default: a quarter of the memory "
+                        "available at start-up; 0 turns the prompt cache off)")
+    p.add_argument("--prompt-cache-interval", type=int, metavar="TOKENS",
+                   help="also snapshot every TOKENS tokens inside long messages (default: measured per model; 0: only "
+                        "at message boundaries)")
+    p.add_argument("--prompt-cache-dir", metavar="DIR", help="keep snapshots on disk too, in DIR: they survive restarts")
+    p.add_argument("--prompt-cache-disk-bytes", type=byte_size, metavar="SIZE",
+                   help="most disk space for --prompt-cache-dir (default: half the free space, at most 16G)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
@@ -74,6 +83,15 @@ def main(argv=None) -> int:
              if getattr(args, f) is not None and getattr(args, f) < 1]
     if small:
         return error(f"--{small[0].replace('_', '-')} must be at least 1")
+    if args.prompt_cache_interval is not None and args.prompt_cache_interval < 0:
+        return error("--prompt-cache-interval must be 0 or more")
+    if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
+        return error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+    if args.prompt_cache_dir:
+        try:
+            Path(args.prompt_cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return error(f"--prompt-cache-dir: {e}")
     if args.chat_template is not None:
         import os
 
@@ -119,6 +137,10 @@ def main(argv=None) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_interval=args.prompt_cache_interval,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         sampling_defaults=generation_defaults(loaded.path),
         limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
@@ -126,7 +148,10 @@ def main(argv=None) -> int:
         special_tokens_in_content=args.allow_special_tokens_in_content,
         metrics_without_key=args.metrics_without_key,
     )
-    app = create_app(loaded, config)
+    try:
+        app = create_app(loaded, config)
+    except OSError as e:  # the prompt cache's folder
+        return error(f"--prompt-cache-dir: {e}")
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
