@@ -111,7 +111,7 @@ def test_reasoning_stays_free_before_the_constraint(scripted):
     tool_choice required and thinking on, the grammar leaves the reasoning alone."""
     r = oai(scripted).chat.completions.create(
         model="test-model", messages=[{"role": "user", "content": "Weather in Paris and Tokyo?"}], tools=[WEATHER_TOOL],
-        tool_choice="required", max_tokens=300, extra_body={"chat_template_kwargs": THINK})
+        tool_choice="required", max_tokens=300, temperature=0, extra_body={"chat_template_kwargs": THINK})
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"].strip() == "The user wants the weather."
     assert [json.loads(c.function.arguments) for c in msg.tool_calls] == [{"city": "Paris", "days": 3}, {"city": "Tokyo"}]
