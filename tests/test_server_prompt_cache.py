@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from mtp_serve.models.demo_model import DEMO_MODEL_DIR
+from mtp_serve.server.openai_api import render_chat
 from mtp_serve.server.schemas import ChatCompletionRequest
 from mtp_serve.testing.server_process import ServerProcess
 from test_server_support import serve
@@ -34,7 +35,7 @@ def chat(server, messages, max_tokens):
 
 
 def ids(server, messages) -> list:
-    return server.service.chat.render(ChatCompletionRequest(model="demo", messages=messages, tools=TOOLS)).ids
+    return render_chat(server.service, ChatCompletionRequest(model="demo", messages=messages, tools=TOOLS)).ids
 
 
 def shared_prefix(a: list, b: list) -> int:
