@@ -33,6 +33,7 @@ import mtp_serve  # noqa: F401  (before mlx.core: preloads OpenBLAS)
 
 import mlx.core as mx
 
+from mtp_serve.models.draft_vocab import DRAFT_VOCAB_FILE, load_draft_ids
 from mtp_serve.models.loader import load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +97,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--src", default=str(Path(os.__file__).parent), help="root the held-out paths are relative to")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each prompt's continuation")
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=None, metavar="N",
+                    help="also measure drafting from the checkpoint's N most frequent tokens (0: the whole vocabulary)")
     args = ap.parse_args(argv)
 
     lm = load_model(args.model)
@@ -104,6 +107,21 @@ def main(argv=None) -> dict:
     prompts = heldout_prompts(Path(args.model), lm.tokenizer, args.prompts, args.prompt_tokens, Path(args.src))
     if not prompts:
         sys.exit("no held-out prompts found (heldout_files.json missing, or the stdlib sources are not on this machine)")
+    if args.draft_vocab:
+        return {n: measure_with_draft_vocab(lm, prompts, n, args) for n in args.draft_vocab}
+    return measure_all(lm, prompts, args)
+
+
+def measure_with_draft_vocab(lm, prompts, size: int, args) -> dict:
+    ids = load_draft_ids(lm.path, size) if size else None
+    if size and ids is None:
+        sys.exit(f"{lm.path}: no {DRAFT_VOCAB_FILE} (mtp-tune --draft-vocab-text FILE measures one)")
+    lm.model.use_draft_vocab(ids)
+    print(f"== drafting from {'the whole vocabulary' if ids is None else f'the {len(ids)} most frequent tokens'}")
+    return measure_all(lm, prompts, args)
+
+
+def measure_all(lm, prompts, args) -> dict:
     t0 = time.time()
     rows = []
     for rel, ids in prompts:
