@@ -49,6 +49,7 @@ from .mtp_weights import (
     text_config,
 )
 from .safetensors_files import INDEX_FILE, read_index
+from .sharding import Split
 
 log = logging.getLogger("mtp_serve.loader")
 
@@ -172,8 +173,10 @@ def empty_head(config: dict) -> Tuple[MTPHead, nn.Module]:
     return _head(text, decoder_cls), model
 
 
-def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None) -> LoadedModel:
-    """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype."""
+def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None,
+               split: Optional[Split] = None) -> LoadedModel:
+    """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype.
+    With `split`, this rank keeps (and reads from disk) only its part of the model."""
     path = resolve_model_path(path_or_repo)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -216,6 +219,8 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
         _load_strict(head, head_w, "MTP head (mtp.*)", path)
         status = "MTP on"
 
+    if split is not None:  # before anything is evaluated: the rest is never read
+        head = split.apply(config["model_type"], model, text, head)
     target = getattr(mx, dtype or BACKEND.compute_dtype)
     float_pred = lambda x: mx.issubdtype(x, mx.floating)  # noqa: E731
     model.set_dtype(target, float_pred)
