@@ -40,6 +40,7 @@ class Scheduler:
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
+        sync=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -47,6 +48,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache
         self.policy = policy or DepthPolicy()
+        # Serving across ranks (`distributed.py`): rank 0's decisions (first tokens,
+        # depths, drafts, accepted tokens) are shared, and the other ranks take them.
+        self.sync = sync
         self.prefilling: Deque[Sequence] = deque()
         self.batch = Batch()  # the running rows, in join order
         self.seqs: Dict[Hashable, Sequence] = {}
@@ -95,6 +99,8 @@ class Scheduler:
             return
         if emitted is None:
             return
+        if self.sync is not None:
+            emitted = self.sync.first_token(seq, emitted)
         self.prefilling.popleft()
         yield seq.key, seq.apply(emitted)
         self._store(seq, seq.prompt, seq.caches)
@@ -108,7 +114,9 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             depths = self.policy.depths(rows)
-            accepted = run_round(self.model, self.batch, depths)
+            if self.sync is not None:
+                depths = self.sync.depths(rows, depths)
+            accepted = run_round(self.model, self.batch, depths, self.sync)
         except Exception as e:  # noqa: BLE001 - a broken round fails its rows, not the loop
             for s in rows:
                 self._leave(s)

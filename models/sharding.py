@@ -177,7 +177,7 @@ class Split:
                 "bytes": nbytes}
 
 
-def report_lines(parts: List[dict], mode: str) -> List[str]:
+def report_lines(parts: List[dict]) -> List[str]:
     """The start-up report, one line per rank."""
     return [f"rank {p['rank']} on {p['host']} (pid {p['pid']}): {p['layers']}; MTP head: {p['mtp_head']}; "
             f"{p['bytes'] / 2**20:.1f} MiB of weights" for p in parts]

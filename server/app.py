@@ -76,14 +76,14 @@ def generation_defaults(path) -> dict:
 class Service:
     """Everything the routes share: model, engine, chat format, metrics, config."""
 
-    def __init__(self, loaded, config: ServerConfig):
+    def __init__(self, loaded, config: ServerConfig, engine_factory=EngineLoop):
         self.loaded = loaded
         self.config = config
         self.max_context = config.max_context or model_max_context(loaded.config)
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
-        self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
+        self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                  prefill_chunk=config.prefill_chunk,
                                  prompt_cache=PromptCache(config.prompt_cache_entries, config.prompt_cache_bytes),
                                  policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
@@ -228,6 +228,20 @@ async def engine_chunks(svc: Service, handle: RequestHandle, request: Request, t
         handle.cancel()
 
 
+def engine_error(e: Exception):
+    """(status, error body) for a request the engine failed: 503 when the engine
+    stopped under it (shutting down, or a lost rank), 500 otherwise."""
+    if isinstance(e, EngineStopped):
+        return 503, error_body(str(e), "service_unavailable", code="engine_stopped")
+    return 500, error_body(str(e), "server_error")
+
+
+def engine_failure(svc: Service, path: str, e: Exception) -> JSONResponse:
+    status, body = engine_error(e)
+    svc.metrics.request(path, status)
+    return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
+
+
 def _event_delta(ev) -> dict:
     if isinstance(ev, ReasoningDelta):
         return {"reasoning_content": ev.text}
@@ -242,8 +256,10 @@ def _keep_event(ev, parallel: bool) -> bool:
     return parallel or not isinstance(ev, (ToolCallStart, ToolCallArgsDelta)) or ev.index == 0
 
 
-def create_app(loaded, config: ServerConfig) -> FastAPI:
-    svc = Service(loaded, config)
+def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastAPI:
+    """`engine_factory` builds the engine (with EngineLoop's arguments); serving
+    across ranks passes a `DistributedEngine`."""
+    svc = Service(loaded, config, engine_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -321,8 +337,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
                 lps += chunk.logprobs or []
                 finish, stats = chunk.finish_reason, chunk.stats
         except (EngineError, EngineStopped) as e:
-            svc.metrics.request(path, 500)
-            return JSONResponse(error_body(str(e), "server_error"), status_code=500)
+            return engine_failure(svc, path, e)
         if finish is None:  # cancelled: the client is gone
             svc.metrics.request(path, 499)
             return Response(status_code=499)
@@ -402,8 +417,7 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
                 lps += chunk.logprobs or []
                 finish, stats = chunk.finish_reason, chunk.stats
         except (EngineError, EngineStopped) as e:
-            svc.metrics.request(path, 500)
-            return JSONResponse(error_body(str(e), "server_error"), status_code=500)
+            return engine_failure(svc, path, e)
         if finish is None:
             svc.metrics.request(path, 499)
             return Response(status_code=499)
@@ -444,8 +458,8 @@ def create_app(loaded, config: ServerConfig) -> FastAPI:
                 yield event
             yield {"data": "[DONE]"}
         except (EngineError, EngineStopped) as e:
-            status = 500
-            yield {"data": json.dumps(error_body(str(e), "server_error"))}
+            status, body = engine_error(e)
+            yield {"data": json.dumps(body)}
             yield {"data": "[DONE]"}
         except asyncio.CancelledError:
             status = 499

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mtp_serve import BACKEND
+from mtp_serve.cli import ranks
 from mtp_serve.cli.common import OneLineParser, fail
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    ranks.add_arguments(p)
     return p
 
 
@@ -66,15 +68,21 @@ def main(argv=None) -> int:
 
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
+    from mtp_serve.models.sharding import ShardingError
     from mtp_serve.server.app import ServerConfig, create_app, generation_defaults
 
+    group = ranks.distributed_ranks(args)  # launched by mlx.launch with several ranks, else None
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp)
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp, split=group.split if group else None)
     except FileNotFoundError as e:
         return error(str(e))
-    except CheckpointError as e:
+    except (CheckpointError, ShardingError) as e:
         return error(str(e))
+    if group is not None:
+        group.announce(loaded)
+        if group.rank != 0:
+            return group.follow(loaded)
 
     depth = 0
     if loaded.model.has_mtp:
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
         chat_template=args.chat_template,
         sampling_defaults=generation_defaults(loaded.path),
     )
-    app = create_app(loaded, config)
+    app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
@@ -114,14 +122,17 @@ def main(argv=None) -> int:
 
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
-    try:
-        log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
-        threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
-        log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
-    except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
-        log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
+    if group is not None:  # every rank takes part; a failure here ends the group
+        log.info("warm-up on %d ranks took %.1fs", group.link.size, svc.engine.warm_up(depth))
+    else:
+        try:
+            log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
+            threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
+            log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
+        except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
+            log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return ranks.EXIT_RANK_LOST if getattr(svc.engine, "fault", None) is not None else 0
 
 
 if __name__ == "__main__":
