@@ -30,6 +30,7 @@ from mlx_lm import tokenizer_utils as _tokenizer_utils
 from mlx_lm import utils as _utils
 
 TESTED_MLX_LM = "0.32.2"
+mlx_lm_version = mlx_lm.__version__
 
 log = logging.getLogger("mtp_serve.mlx_lm_compat")
 

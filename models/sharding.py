@@ -33,7 +33,8 @@ pipeline stages never touch other stages' layers (nor, off rank 0, the head),
 and tensor-parallel ranks keep only their slices (mlx-lm's `sharded_load` does
 the same).
 
-Qwen3-Next has neither split in mlx-lm 0.32.2 and is refused with a message.
+Qwen3-Next: pipeline parallel (mlx-lm's `pipeline`); mlx-lm 0.32.2 has no `shard`
+for it, so tensor parallel is refused with a message.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .mlx_lm_compat import shard_decoder_layers
+from .mlx_lm_compat import mlx_lm_version, shard_decoder_layers
 
 PARALLEL_MODES = ("tensor", "pipeline")
 HEAD_MODES = ("whole", "sharded")
@@ -138,14 +139,12 @@ class Split:
 
     def apply(self, model_type: str, model: nn.Module, text: nn.Module, head: Optional[nn.Module]) -> Optional[nn.Module]:
         """Split the (lazily loaded) model in place; returns the head this rank keeps."""
-        if model_type == "qwen3_next":
-            raise ShardingError(
-                "Qwen3-Next (model_type qwen3_next) cannot be split across ranks: mlx-lm 0.32.2 has neither "
-                "tensor- nor pipeline-parallel code for it; serve it on one machine (without mlx.launch)"
-            )
         inner = text.model
         n_layers = self.n_layers = len(inner.layers)
         if self.mode == "tensor":
+            if not hasattr(model, "shard"):  # Qwen3-Next in mlx-lm 0.32.2
+                raise ShardingError(f"{model_type}: mlx-lm {mlx_lm_version} has no tensor-parallel split for this "
+                                    f"model; use --parallel pipeline")
             check_tensor_parallel(text.args, self.size)
             model.shard(self.group)
             self.layer_range = (0, n_layers)
@@ -153,6 +152,8 @@ class Split:
                 shard_decoder_layers(head.layers, self.group)
             self.head_held = "none" if head is None else ("sharded" if self.head == "sharded" else "whole")
             return head
+        if not hasattr(inner, "pipeline"):
+            raise ShardingError(f"{model_type}: mlx-lm {mlx_lm_version} has no pipeline split for this model")
         if n_layers < self.size:
             raise ShardingError(f"pipeline parallel over {self.size} ranks needs at least {self.size} layers; "
                                 f"this model has {n_layers}")
