@@ -394,6 +394,13 @@ class DistributedEngine(EngineLoop):
         if self.on_fatal is not None:
             self.on_fatal(error)
 
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop; a step still running after `timeout` waits on a rank that no longer
+        answers: its requests fail with 503 as for a broken group."""
+        super().stop(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            self.abort(TimeoutError(f"stopping: the other ranks did not finish the engine step within {timeout:g}s"))
+
     def _run(self) -> None:
         try:
             super()._run()

@@ -21,7 +21,7 @@ from typing import Optional
 log = logging.getLogger("mtp_serve")
 
 EXIT_RANK_LOST = 3  # rank 0's exit status when the group broke while serving
-FAULT_GRACE_S = 1.0  # time for the 503 responses to leave before rank 0 exits
+DRAIN_S = 5.0  # for the engine to end its step, then for the responses to leave, when rank 0 stops
 
 
 def add_arguments(p) -> None:
@@ -44,6 +44,8 @@ class Ranks:
         self.split = Split(group, args.parallel, "sharded" if args.shard_mtp_head else "whole")
         self.link = Link(group)
         self.rank_timeout = args.rank_timeout
+        self._server = None  # rank 0's uvicorn server while it serves
+        self._stopping = False
 
     @property
     def rank(self) -> int:
@@ -75,12 +77,52 @@ class Ranks:
             return 1
         return 0
 
+    def serve(self, app, engine, host: str, port: int, log_level: str) -> int:
+        """Rank 0's uvicorn. A stop signal (an operator's, or the launcher's after another
+        rank exited) first ends the engine, so in-flight requests end with a 503 (a stream
+        with its error event) and the other ranks are told to stop; then the server drains
+        and exits. A broken group (`_fatal`) ends the server the same way. Returns the exit
+        status; after a broken group the process exits here (a thread may still sit in a
+        collective that never returns)."""
+        import uvicorn
+
+        ranks = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if ranks._stopping:  # a second signal: uvicorn's own handling (SIGINT forces)
+                    return super().handle_exit(sig, frame)
+                ranks._stopping = True
+                threading.Thread(target=ranks._drain, args=(engine,), name="mtp-drain", daemon=True).start()
+
+        self._server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                             timeout_graceful_shutdown=DRAIN_S))
+        self._server.run()
+        if getattr(engine, "fault", None) is None:
+            return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_RANK_LOST)
+
+    def _drain(self, engine) -> None:
+        engine.stop(timeout=DRAIN_S)
+        self._server.should_exit = True
+
+    def _fatal(self, error: BaseException) -> None:
+        """The group broke while serving (the engine failed its requests with 503): the
+        server drains and exits non-zero; a shutdown that hangs is cut short."""
+        print(f"mtp-serve: a rank failed ({type(error).__name__}: {error}); in-flight requests got 503; exiting",
+              file=sys.stderr, flush=True)
+        if self._server is not None:
+            self._server.should_exit = True
+        threading.Timer(DRAIN_S * 2, os._exit, args=(EXIT_RANK_LOST,)).start()
+
     def engine_factory(self):
         """What `create_app` builds rank 0's engine with."""
         from mtp_serve.engine.distributed import DistributedEngine
 
         return functools.partial(DistributedEngine, link=self.link, mode=self.split.mode,
-                                 rank_timeout=self.rank_timeout, on_fatal=_exit_soon)
+                                 rank_timeout=self.rank_timeout, on_fatal=self._fatal)
 
 
 def distributed_ranks(args) -> Optional[Ranks]:
@@ -92,8 +134,3 @@ def distributed_ranks(args) -> Optional[Ranks]:
     group = mx.distributed.init()
     return Ranks(group, args) if group.size() > 1 else None
 
-
-def _exit_soon(error: BaseException) -> None:
-    print(f"mtp-serve: a rank failed ({type(error).__name__}: {error}); in-flight requests got 503; exiting",
-          file=sys.stderr, flush=True)
-    threading.Timer(FAULT_GRACE_S, os._exit, args=(EXIT_RANK_LOST,)).start()

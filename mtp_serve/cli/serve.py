@@ -131,8 +131,10 @@ def main(argv=None) -> int:
             log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
         except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
+    if group is not None:
+        return group.serve(app, svc.engine, args.host, args.port, args.log_level)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return ranks.EXIT_RANK_LOST if getattr(svc.engine, "fault", None) is not None else 0
+    return 0
 
 
 if __name__ == "__main__":
