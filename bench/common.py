@@ -98,6 +98,17 @@ def environment(argv) -> dict:
     return env
 
 
+def stream_events(url: str, body: dict, timeout: float = 600):
+    """POST `body` to a streaming (SSE) endpoint; yields each `data:` event, parsed, until [DONE]."""
+    import httpx
+
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def write_json(path, result: dict) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

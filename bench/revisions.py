@@ -35,6 +35,11 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.loader import load_model
 
 lm = load_model(sys.argv[1])
+from mtp_serve.engine.warmup import calibrate_blas_threads
+try:  # as mtp-serve does at start-up (its signature changed over time)
+    calibrate_blas_threads(lm.model, lm.tokenizer)
+except TypeError:
+    calibrate_blas_threads(lm.model)
 print(json.dumps({"ready": True, "engine": mtp_serve.engine.__path__[0]}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)

@@ -35,7 +35,8 @@ LOGPROB_FLOOR = -9999.0
 def token_logprobs(tokens: List[int], rows: mx.array, top_n: int) -> List[TokenLogprob]:
     """Log-probabilities of the emitted tokens under the target distribution (the
     one sampled from: after penalties, temperature and the top-k/top-p/min-p filters)."""
-    rows = mx.maximum(normalize(rows[: len(tokens)]), LOGPROB_FLOOR)  # greedy rows come unnormalized
+    rows = normalize(rows[: len(tokens)])  # greedy rows come unnormalized
+    rows = mx.where(mx.isnan(rows), LOGPROB_FLOOR, mx.maximum(rows, LOGPROB_FLOOR))  # JSON has no NaN either
     chosen = rows[mx.arange(len(tokens)), mx.array(tokens)]
     if top_n > 0:
         top_idx = mx.argsort(-rows, axis=-1)[:, :top_n]

@@ -8,9 +8,9 @@ Every rank runs the same `Scheduler` over its own part of the model
 (`models/sharding.py`), so every rank runs the same forward passes in the same
 order and the parallel layers' collectives pair up. What only rank 0 knows
 travels on `Link` as small JSON messages over the same group:
-- each step (`turn`): the requests that joined (prompt, sampling parameters,
-  depth cap, how much of the prompt rank 0 reuses from its prompt cache, the
-  seed of the request's random stream) and those cancelled;
+- each step (`turn`): the requests that joined (prompt, sampling parameters
+  with any output constraint, depth cap, the seed of the request's random
+  stream) and those cancelled;
 - a row's first token when its prefill completes (`first`);
 - each round: every row's depth (`depths`: the policy times rounds on rank 0),
   the drafted tokens (`drafts`), what each row accepted and emitted (`accepted`).
@@ -23,6 +23,12 @@ result differs anyway takes rank 0's and logs it. Pipeline stages without the
 head neither draft nor sample; they take the drafts and the emitted tokens.
 Each rank rolls back its own caches (its heads' GatedDeltaNet states and KV,
 or its layers') in `commit`, with the counts rank 0 decided.
+
+Constrained requests: every rank compiles the request's grammar and keeps its
+own matcher, advanced by the tokens rank 0 emitted, so a rank that drafts masks
+its drafts as rank 0 does (and the rows end at the same token). The prompt
+cache is not used across ranks: rank 0 alone would decide its hits, and the
+other ranks would have to hold and evict the same snapshots of their parts.
 
 A message nobody waits for yet (a first token, an accept decision) rides on the
 next one rank 0 sends anyway. Control messages per decode round: tensor
@@ -53,8 +59,8 @@ import mlx.core as mx
 import numpy as np
 
 from .engine_loop import EngineLoop, EngineStopped
+from .grammar import Constraint
 from .policy import DepthPolicy
-from .prompt_cache import PromptCache
 from .sampling import Rng, SamplingParams, random_seed
 from .scheduler import Scheduler
 from .speculative import Accepted, Drafts, accept, draft
@@ -177,7 +183,10 @@ def params_to_json(params: SamplingParams) -> dict:
 
 
 def params_from_json(d: dict) -> SamplingParams:
-    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    if d.get("constraint") is not None:
+        d["constraint"] = Constraint(**d["constraint"])
+    return SamplingParams(**d)
 
 
 # ---------------------------------------------------------------- the scheduler hooks
@@ -250,6 +259,9 @@ class FollowerSync:
             seq.primary = token  # not forwarded yet: replacing it is enough
             if seq.owed.tokens:
                 seq.owed.tokens[-1] = token
+            if seq.grammar is not None:
+                seq.grammar.rollback_to(0)
+                seq.grammar.consume([token])
         return [token], emitted[1]
 
     def depths(self, rows, depths: List[int]) -> List[int]:
@@ -257,17 +269,22 @@ class FollowerSync:
 
     def draft(self, model, batch, depths: List[int]) -> Drafts:
         shared = _drafts_shared(self.mode, depths, self._may_draft(batch.rows))
-        if not self.local:
+        rows = batch.rows
+        if not self.local:  # (no masks: this rank does not score the window)
             tokens = self.link.take("drafts") if shared else None
-            n = len(batch.rows)
-            return Drafts(depths, mx.array(tokens) if tokens else None, [None] * n, [None] * n)
+            n = len(rows)
+            return Drafts(depths, mx.array(tokens) if tokens else None, [None] * n, [None] * n, [None] * n,
+                          [s.grammar.consumed if s.grammar is not None else 0 for s in rows])
         drafts = draft(model, batch, depths)
         if shared:
             mine = drafts.tokens.tolist() if drafts.tokens is not None else None  # runs this rank's part first
             tokens = self.link.take("drafts")
             if mine != tokens:
-                self._differs("drafts", [s.key for s in batch.rows])
+                self._differs("drafts", [s.key for s in rows])
                 drafts.tokens = mx.array(tokens)
+                for s, start in zip(rows, drafts.grammar_start):  # its matchers took its own drafts: back
+                    if s.grammar is not None:
+                        s.grammar.rollback_to(start)
         return drafts
 
     def accept(self, verified, rows) -> Accepted:
@@ -295,17 +312,14 @@ class Leader:
         self._adds: List[dict] = []
         self._cancels: List[Hashable] = []
         self.busy_since: Optional[float] = None  # monotonic time the current step began
-        cache = sched.prompt_cache
-        link.post(hello={"mode": mode, "max_batch_size": sched.max_batch_size, "prefill_chunk": sched.prefill_chunk,
-                         "prompt_cache_entries": cache.max_entries if cache is not None else 0})
+        link.post(hello={"mode": mode, "max_batch_size": sched.max_batch_size, "prefill_chunk": sched.prefill_chunk})
 
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
         self.sched.add(key, prompt, params, max_depth, checkpoints)
         seq, seed = self.sched.seqs[key], random_seed()
         seq.rng = Rng(seed)
         self._adds.append({"key": key, "prompt": list(prompt), "params": params_to_json(params), "depth": max_depth,
-                           "checkpoints": list(checkpoints), "seed": seed, "cached": seq.cached_tokens,
-                           "cap": self.sched.policy.cap(seq)})
+                           "checkpoints": list(checkpoints), "seed": seed, "cap": self.sched.policy.cap(seq)})
 
     def cancel(self, key: Hashable) -> None:
         self.sched.cancel(key)
@@ -313,6 +327,12 @@ class Leader:
 
     def has_work(self) -> bool:
         return self.sched.has_work()
+
+    def grammar_compiler(self):
+        return self.sched.grammar_compiler()
+
+    def drop_all(self) -> None:
+        self.sched.drop_all()
 
     def step(self):
         """The scheduler's step, announced to the other ranks. Any error is the whole
@@ -342,6 +362,8 @@ class DistributedEngine(EngineLoop):
 
     def __init__(self, model, tokenizer, *, link: Link, mode: str, rank_timeout: float = 60.0,
                  on_fatal: Optional[Callable[[BaseException], None]] = None, **engine_options):
+        if engine_options.get("prompt_cache") is not None:
+            raise ValueError("the prompt cache cannot be used across ranks (the other ranks cannot restore its state)")
         super().__init__(model, tokenizer, **engine_options)
         self.scheduler = Leader(self.scheduler, link, mode, on_fault=self.abort)
         self.link = link
@@ -423,44 +445,18 @@ class DistributedEngine(EngineLoop):
 # ---------------------------------------------------------------- the other ranks
 
 
-class MirroredPromptCache:
-    """A follower's prompt cache: snapshots of this rank's part of the state, stored
-    where rank 0 stores them; a lookup returns the snapshot rank 0 chose. Only rank 0's
-    byte budget evicts (the entry budget is the same), so this one holds every
-    snapshot rank 0 holds."""
-
-    def __init__(self, max_entries: int):
-        self.cache = PromptCache(max_entries, max_bytes=1 << 62)
-        self.expect = 0  # prompt tokens rank 0 reused for the request being added
-
-    def lookup(self, prompt, needs_head: bool):
-        n, self.expect = self.expect, 0
-        if n == 0:
-            return None
-        snap = self.cache.lookup(prompt[: n + 1], needs_head)
-        if snap is None or len(snap.tokens) != n:
-            raise DesyncError(f"rank 0 reuses {n} cached prompt tokens; this rank has no such snapshot")
-        return snap
-
-    def store(self, snap) -> None:
-        self.cache.store(snap)
-
-
 def follow(model, tokenizer, link: Link) -> None:
     """Run rank 0's steps on this rank until rank 0 stops."""
     settings = link.take("hello")
     mode = settings["mode"]
     sync = FollowerSync(link, mode, local=model.has_mtp or mode == "tensor")
-    cache = MirroredPromptCache(settings["prompt_cache_entries"]) if settings["prompt_cache_entries"] else None
     sched = Scheduler(model, tokenizer, max_batch_size=settings["max_batch_size"], prefill_chunk=settings["prefill_chunk"],
-                      prompt_cache=cache, policy=DepthPolicy(max_depth=0, fixed=True), sync=sync)
+                      policy=DepthPolicy(max_depth=0, fixed=True), sync=sync)
     while True:
         turn = link.take("turn")
         if turn.get("stop"):
             return
         for op in turn["adds"]:
-            if cache is not None:
-                cache.expect = op["cached"]
             sched.add(op["key"], op["prompt"], params_from_json(op["params"]), op["depth"], tuple(op["checkpoints"]))
             sched.seqs[op["key"]].rng = Rng(op["seed"])
             sync.caps[op["key"]] = op["cap"]

@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional
 
 from mtp_serve.models.mtp_model import MTPModel
 
-from .chunks import GenerationChunk, TokenLogprob, token_logprobs  # noqa: F401  (re-exported)
+from .chunks import GenerationChunk
 from .policy import DepthPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams

@@ -26,6 +26,15 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mtp_serve.models.mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
 
+from .grammar import Constraint, apply_mask
+
+
+# Temperatures below this decode greedily (as vLLM does): dividing fp32 logits by a
+# smaller one overflows to inf, and the pipeline would return NaN.
+GREEDY_BELOW = 1e-5
+# Repetition penalties outside this range overflow fp32 logits the same way.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -42,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
+    constraint: Optional[Constraint] = None  # a grammar the output must match (engine/grammar.py)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -52,14 +62,15 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}]")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
@@ -151,7 +162,7 @@ def apply_penalties(logits: mx.array, params: SamplingParams, history: TokenHist
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Temperature, then top-k, top-p, min-p; returns normalized log-probabilities [T, V]."""
-    logprobs = (logits / params.temperature) if params.temperature > 0 else logits
+    logprobs = logits / params.temperature if not params.greedy else logits
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     vocab = logprobs.shape[-1]
     if 0 < params.top_k < vocab:
@@ -164,15 +175,17 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def target_logprobs(
-    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None
+    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None,
+    allowed: Optional[mx.array] = None,
 ) -> mx.array:
     """The full pipeline over logits [T, V] (fp32): what the sampler draws from.
+    `allowed` [T, V] (a grammar's masks) removes tokens first.
 
     Greedy requests get the (penalized) logits unnormalized: the argmax is all
     they need, and filters never remove the argmax. `normalize` them to report
     log-probabilities.
     """
-    logits = logits.astype(mx.float32)
+    logits = apply_mask(logits.astype(mx.float32), allowed)
     if params.has_penalties:
         logits = apply_penalties(logits, params, history, appended)
     if params.greedy:

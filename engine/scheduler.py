@@ -14,20 +14,25 @@ prefill and leave when done or cancelled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
 
+from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+
 from .batch import Batch
-from .chunks import GenerationChunk
+from .grammar import GrammarCompiler
 from .policy import DepthPolicy
 from .prefill import prefill
-from .prompt_cache import PromptCache, checkpoint_saver, take_snapshot
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
 from .speculative import run_round
+
+log = logging.getLogger("mtp_serve.engine")
 
 
 class Scheduler:
@@ -55,14 +60,25 @@ class Scheduler:
         self.batch = Batch()  # the running rows, in join order
         self.seqs: Dict[Hashable, Sequence] = {}
         self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (drafted, accepted) in the last round
+        self._grammars: Optional[GrammarCompiler] = None
 
     # -- requests
 
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
-        seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, self.prompt_cache, checkpoints,
-                           prior_acceptance=self.policy.start_rates())
+        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
+        if self.prompt_cache is not None:
+            checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
+        grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
+        seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
+                           prior_acceptance=self.policy.start_rates(), grammar=grammar)
         self.seqs[key] = seq
         self.prefilling.append(seq)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles constraints for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(hf_tokenizer(self.tokenizer), self.model.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
 
     def cancel(self, key: Hashable) -> None:
         seq = self.seqs.get(key)
@@ -92,7 +108,9 @@ class Scheduler:
 
     def _prefill_step(self, seq: Sequence) -> Iterator[Tuple[Hashable, Any]]:
         try:
-            emitted = prefill(self.model, seq, self.prefill_chunk, checkpoint_saver(self.prompt_cache))
+            if self.prompt_cache is not None and seq.prefilled == 0 and seq.cached_tokens == 0:
+                self._restore(seq)
+            emitted = prefill(self.model, seq, self.prefill_chunk, self._checkpoint if self.prompt_cache is not None else None)
         except Exception as e:  # noqa: BLE001 - reported to this request only
             self._forget(self.prefilling.popleft())
             yield seq.key, e
@@ -117,21 +135,54 @@ class Scheduler:
             if self.sync is not None:
                 depths = self.sync.depths(rows, depths)
             accepted = run_round(self.model, self.batch, depths, self.sync)
-        except Exception as e:  # noqa: BLE001 - a broken round fails its rows, not the loop
-            for s in rows:
-                self._leave(s)
+            elapsed = time.perf_counter() - t0
+            out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
+        except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
+            self._drop_batch()
             return [(s.key, e) for s in rows]
-        self.policy.observe(rows, depths, accepted.counts, time.perf_counter() - t0)
+        self.policy.observe(rows, depths, accepted.counts, elapsed)
         self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
-        out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         for s in rows:
             if s.finished:
                 self._leave(s, store=True)
         return out
 
+    def _drop_batch(self) -> None:
+        """Forget every running row and its caches: after a failed round they may hold
+        part of it, so nothing of the batch is reused."""
+        for s in self.batch.rows:
+            self._forget(s)
+        self.batch = Batch()
+
+    def drop_all(self) -> None:
+        """Forget every request (the engine failed them all after a step failed as a whole)."""
+        self._drop_batch()
+        for s in self.prefilling:
+            self._forget(s)
+        self.prefilling.clear()
+
+    def _restore(self, seq: Sequence) -> None:
+        """Start from the longest stored prefix. Looked up when the prefill starts, not when
+        the request arrived: one that came in with others finds the snapshots their prefills
+        stored (the shared system prompt of agents started together)."""
+        try:
+            hit = self.prompt_cache.restore(seq.prompt, needs_head=seq.tracks_head)
+        except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
+            return
+        if hit is not None:
+            seq.start_from(hit.n, hit.caches, hit.owed)
+
+    def _checkpoint(self, seq: Sequence, n: int) -> None:
+        self._store(seq, seq.prompt[:n], seq.caches)
+
     def _store(self, seq: Sequence, tokens: List[int], caches) -> None:
-        if self.prompt_cache is not None:
-            self.prompt_cache.store(take_snapshot(tokens, caches.backbone, caches.head, seq.owed.hidden))
+        if self.prompt_cache is None:
+            return
+        try:
+            self.prompt_cache.store(tokens, caches, seq.owed.hidden)
+        except Exception:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache snapshot of %d tokens failed", seq.key, len(tokens))
 
     def _leave(self, seq: Sequence, store: bool = False) -> None:
         if store:

@@ -7,8 +7,8 @@ Lifecycle (`Sequence.status`):
 
 Cache ownership, one owner at a time: while PREFILLING the sequence owns its
 caches (`seq.caches`); when it starts RUNNING it hands them to the `Batch`
-(`take_caches`), which merges them with the other rows'; a batch gives a row's
-caches back (`give_caches`) when it leaves alone or is snapshotted.
+(`take_caches`), which merges them with the other rows' and drops them when the
+row leaves (a snapshot of them is a copy: `Batch.row_caches`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable, Hashable, List, Optional, Tuple
 import mlx.core as mx
 
 from .chunks import GenerationChunk, token_logprobs
+from .grammar import RowGrammar
 from .sampling import Rng, SamplingParams, TokenHistory
 from .stats import DecodeStats
 from .stopping import StopChecker
@@ -126,6 +127,7 @@ class Sequence:
     last_logits: Optional[mx.array] = None  # logits at the last prefilled position
     # Prompt lengths at which prefill stops for a prompt-cache snapshot.
     checkpoints: tuple = ()
+    grammar: Optional[RowGrammar] = None  # the matcher of a constrained request, at the output so far
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property
@@ -143,10 +145,12 @@ class Sequence:
             raise RuntimeError(f"request {self.key!r}: its caches are owned elsewhere")
         return caches
 
-    def give_caches(self, caches: RowCaches) -> None:
-        if self.caches is not None:
-            raise RuntimeError(f"request {self.key!r} already owns caches")
-        self.caches = caches
+    def start_from(self, n: int, caches: RowCaches, owed_hidden: Optional[mx.array]) -> None:
+        """Before prefill: start from a prompt-cache snapshot of the first n prompt tokens."""
+        self.caches = RowCaches(caches.backbone, caches.head if self.tracks_head else None)
+        if self.tracks_head:
+            self.owed.hidden = owed_hidden
+        self.cached_tokens = self.stats.cached_tokens = n
 
     def apply(self, emitted: Emitted) -> GenerationChunk:
         """What a step's tokens do to the request: committed, stop-checked (kept
@@ -172,12 +176,13 @@ class Sequence:
 
 
 def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int,
-                 prompt_cache=None, checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None) -> Sequence:
-    """A fresh sequence; with `prompt_cache`, starts from the longest reusable snapshot."""
+                 checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None,
+                 grammar: Optional[RowGrammar] = None) -> Sequence:
+    """A fresh sequence with empty caches; `grammar`: the matcher of `params.constraint`."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     max_depth = max_depth if model.has_mtp else 0
-    seq = Sequence(
+    return Sequence(
         key=key,
         tracks_head=model.has_mtp,
         prompt=list(prompt),
@@ -190,12 +195,5 @@ def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: Sam
         acceptance=RowAcceptance(list(prior_acceptance or [])),
         caches=RowCaches(model.make_cache(), model.make_head_cache() if model.has_mtp else None),
         checkpoints=tuple(checkpoints),
+        grammar=grammar,
     )
-    snap = prompt_cache.lookup(prompt, needs_head=seq.tracks_head) if prompt_cache is not None else None
-    if snap is not None:
-        backbone, head, owed_hidden = snap.restore()
-        seq.caches = RowCaches(backbone, head if seq.tracks_head else None)
-        if seq.tracks_head:
-            seq.owed.hidden = owed_hidden
-        seq.cached_tokens = seq.stats.cached_tokens = len(snap.tokens)
-    return seq

@@ -27,6 +27,12 @@ against the draft distribution q (Leviathan et al.), so the emitted tokens
 have exactly the plain sampler's distribution. Both p and q come from the
 request's full sampling pipeline, with the drafted prefix counted by the
 penalties.
+
+Grammars: a constrained row's matcher is masked, position by position, with
+the state after the drafted prefix: the mask a draft is sampled under is the
+mask its verify position is scored under (computed once), so p and q stay the
+constrained plain sampler's; the matcher advances through the drafts and the
+commit rolls it back over the rejected ones.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ MAX_OWED_PAIRS = 32
 
 
 def _argmax_only(seq: Sequence) -> bool:
-    """Greedy without penalties: the pipeline is the identity, the token the argmax."""
-    return seq.params.greedy and not seq.params.has_penalties
+    """Greedy without penalties or grammar: the pipeline is the identity, the token the argmax."""
+    return seq.params.greedy and not seq.params.has_penalties and seq.grammar is None
 
 
 def _accepts_by_match(seq: Sequence) -> bool:
@@ -64,6 +70,8 @@ class Drafts:
     tokens: Optional[mx.array]  # [B, W-1]; row i's first K_i are its drafts, the rest padding
     q: List[Optional[mx.array]]  # row i: [K_i, V] draft log-probs (unseeded sampled rows with K_i > 0)
     noise: List[Optional[mx.array]]  # row i: [W, V] its position noise (seeded rows)
+    masks: List[Optional[List[mx.array]]]  # row i: its grammar's mask [V] per position so far (constrained rows)
+    grammar_start: List[int]  # row i: tokens its matcher held before this round's drafts
 
     @property
     def width(self) -> int:
@@ -109,21 +117,31 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
     rows, K = batch.rows, max(depths)
     noise = [position_noise(s.params.seed, len(s.committed), K + 1, model.vocab_size) if coupled(s.params) else None
              for s in rows]
+    masks = [[] if s.grammar is not None else None for s in rows]
+    grammar_start = [s.grammar.consumed if s.grammar is not None else 0 for s in rows]
     if K == 0:
         if batch.head_cache is not None and max(len(s.owed) for s in rows) > MAX_OWED_PAIRS:
             head_over_owed(model, batch, keep_last=True)
-        return Drafts(depths, None, [None] * len(rows), noise)
+        return Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
     q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
     hidden, logits = head_over_owed(model, batch)
+    dv = model.draft_vocab
     columns: List[mx.array] = []
     for j in range(K):
-        column = mx.argmax(logits, axis=-1)  # argmax-only rows and padding
+        column = model.draft_argmax(logits)  # argmax-only rows and padding
         picked = {}
         for i, s in enumerate(rows):
             if j < depths[i] and not _argmax_only(s):
                 prefix = mx.stack(columns, axis=1)[i] if columns else None
-                lp = target_logprobs(logits[i : i + 1], s.params, s.history, prefix)
+                allowed = None
+                if s.grammar is not None:
+                    allowed = s.grammar.mask()
+                    masks[i].append(allowed)
+                row = logits[i : i + 1] if dv is None else dv.to_vocab(logits[i : i + 1], model.vocab_size)
+                lp = target_logprobs(row, s.params, s.history, prefix, allowed)
                 picked[i] = choose(lp, s.params, s.rng, noise[i][j : j + 1] if noise[i] is not None else None)
+                if s.grammar is not None:
+                    s.grammar.consume([picked[i].item()])  # the matcher needs the token now: a host sync
                 if q[i] is not None:
                     q[i].append(lp)
         if picked:
@@ -132,7 +150,10 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
         if j < K - 1:
             hidden, out = model.draft(hidden, column[:, None], batch.head_cache)
             logits = out[:, -1]
-    return Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise)
+            if any(m is not None for m in masks):
+                mx.async_eval(logits)  # the head runs while the CPU computes the next masks
+    return Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
+                  grammar_start)
 
 
 def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
@@ -180,13 +201,34 @@ def verify(model: MTPModel, batch: Batch, drafts: Drafts) -> Verified:
     hidden, logits = model.forward(inputs, batch.cache)
     if capture:
         set_capture(batch.cache, False)
+    allowed = _window_masks(rows, drafts, logits)
     p = [
         logits[i] if _argmax_only(s) else
-        target_logprobs(logits[i], s.params, s.history, drafts.tokens[i] if drafts.tokens is not None else None)
+        target_logprobs(logits[i], s.params, s.history, drafts.tokens[i] if drafts.tokens is not None else None,
+                        allowed[i])
         for i, s in enumerate(rows)
     ]
     argmax = mx.argmax(logits, axis=-1) if any(_argmax_only(s) for s in rows) else None
     return Verified(drafts, hidden, p, argmax)
+
+
+def _window_masks(rows: List[Sequence], drafts: Drafts, logits: mx.array) -> List[Optional[mx.array]]:
+    """Each constrained row's masks over the window [W, V]: those its drafts were
+    sampled under, the one after its last draft (computed while the backbone runs),
+    and no constraint on padding positions (never accepted)."""
+    if all(s.grammar is None for s in rows):
+        return [None] * len(rows)
+    mx.async_eval(logits)
+    W = drafts.width
+    out = []
+    for s, masks in zip(rows, drafts.masks):
+        if masks is None:
+            out.append(None)
+            continue
+        masks.append(s.grammar.mask())
+        pad = [mx.ones_like(masks[0])] * (W - len(masks))
+        out.append(mx.stack(masks + pad))
+    return out
 
 
 # ---------------------------------------------------------------- 3. accept
@@ -231,6 +273,11 @@ def commit(batch: Batch, accepted: Accepted) -> None:
             batch.head_cache.trim(W - 2)
     for i, s in enumerate(batch.rows):
         m, emitted = accepted.counts[i], accepted.tokens[i]
+        if s.grammar is not None:  # keep the accepted drafts it consumed, then take the rest
+            start = verified.drafts.grammar_start[i]
+            kept = min(m, s.grammar.consumed - start)
+            s.grammar.rollback_to(start + kept)
+            s.grammar.consume(emitted[kept:])
         hidden = verified.hidden[i : i + 1, : m + 1]
         if W > 1:
             s.owed = OwedPairs(hidden, emitted)

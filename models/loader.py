@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from mtp_serve import BACKEND
 
+from .draft_vocab import DRAFT_VOCAB_FILE, load_draft_ids
 from .gdn import install_capturing_gdn
 from .mlx_lm_compat import (
     Qwen35DecoderLayer,
@@ -174,9 +175,11 @@ def empty_head(config: dict) -> Tuple[MTPHead, nn.Module]:
 
 
 def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None,
-               split: Optional[Split] = None) -> LoadedModel:
-    """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype.
-    With `split`, this rank keeps (and reads from disk) only its part of the model."""
+               draft_vocab: Optional[int] = None, split: Optional[Split] = None) -> LoadedModel:
+    """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype;
+    `draft_vocab`: draft from the checkpoint's N most frequent tokens (None: the model
+    card's `draft_vocab_size`; 0: the whole vocabulary). With `split`, this rank keeps
+    (and reads from disk) only its part of the model."""
     path = resolve_model_path(path_or_repo)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -232,4 +235,16 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
 
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-    return LoadedModel(MTPModel(model, text, head, card, config["model_type"]), tokenizer, config, path, status, fix)
+    mtp_model = MTPModel(model, text, head, card, config["model_type"])
+    if head is not None:
+        size = card.draft_vocab_size if draft_vocab is None else draft_vocab
+        ids = load_draft_ids(path, size)
+        if ids is not None and split is not None and split.splits_vocabulary(text):
+            log.warning("%s: tensor parallel splits the LM head by vocabulary; drafting from the whole vocabulary "
+                        "(the draft vocabulary is off)", path)
+            ids = None
+        if size and ids is None:
+            log.warning("%s: no %s: drafting from the whole vocabulary (mtp-tune --draft-vocab-text FILE measures one)",
+                        path, DRAFT_VOCAB_FILE)
+        mtp_model.use_draft_vocab(ids)
+    return LoadedModel(mtp_model, tokenizer, config, path, status, fix)

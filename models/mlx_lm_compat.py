@@ -74,6 +74,7 @@ _require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3N
 _require(_cache.BatchKVCache, ["merge", "extend", "filter", "extract", "trim", "make_mask", "update_and_fetch"], "BatchKVCache")
 _require_init_fields(_cache.BatchKVCache, ["_idx", "left_padding", "offset", "keys", "values"])
 _require_init_fields(_cache.KVCache, ["offset", "keys", "values"])
+_require_init_fields(_tokenizer_utils.TokenizerWrapper, ["_tokenizer"])
 _require_init_fields(_cache.ArraysCache, ["cache", "lengths", "left_padding"])
 _require(_cache.ArraysCache, ["advance", "extend", "filter", "extract"], "ArraysCache")
 _require_init_fields(qwen3_5.GatedDeltaNet, [
@@ -102,6 +103,12 @@ get_model_classes = _utils._get_classes
 infer_quant_config = _utils.infer_quant_config
 load_tokenizer = _utils.load_tokenizer
 TokenizerWrapper = _tokenizer_utils.TokenizerWrapper
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
 
 gated_delta_step_ops = _gated_delta._gated_delta_step_ops
 compute_g = _gated_delta.compute_g

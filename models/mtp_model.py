@@ -16,6 +16,7 @@ from mtp_serve.backend import blas_threads_for
 
 from .caches import SpeculativeGDNCache
 from .compiled_steps import CompiledLayers
+from .draft_vocab import DraftVocab
 from .model_card import ModelCard
 from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
@@ -33,6 +34,8 @@ class MTPModel:
         # None runs mlx-lm's layers as they are.
         self.compiled: Optional[CompiledLayers] = CompiledLayers()
         self.stage = pipeline_stage(self.inner)  # this rank's place in a pipeline split, or None
+        # The head's drafts score only this subset of the vocabulary (None: all of it).
+        self.draft_vocab: Optional[DraftVocab] = None
 
     @property
     def inner(self) -> nn.Module:
@@ -55,6 +58,19 @@ class MTPModel:
 
     def make_head_cache(self) -> KVCache:
         return KVCache()
+
+    def use_draft_vocab(self, ids: Optional[List[int]]) -> None:
+        """Draft from these token ids only (None: the whole vocabulary)."""
+        if ids is None:
+            self.draft_vocab = None
+            return
+        rows = self.inner.embed_tokens if self.text.args.tie_word_embeddings else self.text.lm_head
+        self.draft_vocab = DraftVocab(ids, rows)
+
+    def draft_argmax(self, logits: mx.array) -> mx.array:
+        """Token ids of the best draft scores (`draft` logits, over the draft vocabulary if set)."""
+        best = mx.argmax(logits, axis=-1)
+        return self.draft_vocab.ids[best] if self.draft_vocab is not None else best
 
     def lm_head(self, h: mx.array) -> mx.array:
         if self.text.args.tie_word_embeddings:
@@ -82,7 +98,8 @@ class MTPModel:
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
-        """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
+        """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
+        logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them)."""
         blas_threads_for(next_tokens.size)
         out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.compiled)
-        return out, self.lm_head(out)
+        return out, (self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out))

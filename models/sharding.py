@@ -137,6 +137,10 @@ class Split:
     def size(self) -> int:
         return self.group.size()
 
+    def splits_vocabulary(self, text: nn.Module) -> bool:
+        """Tensor parallel splits an untied LM head by vocabulary: each rank holds a slice."""
+        return self.mode == "tensor" and not text.args.tie_word_embeddings
+
     def apply(self, model_type: str, model: nn.Module, text: nn.Module, head: Optional[nn.Module]) -> Optional[nn.Module]:
         """Split the (lazily loaded) model in place; returns the head this rank keeps."""
         inner = text.model

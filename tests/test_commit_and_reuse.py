@@ -108,14 +108,3 @@ def test_checkpoint_serves_a_prompt_that_diverges_after_it(depth, loaded):
     warm, stats = _run(lm, nxt, depth, cache)
     assert stats.cached_tokens == len(shared)
     assert warm == _run(lm, nxt, depth)[0]
-
-
-def test_prompt_cache_is_bounded_lru():
-    from mtp_serve.engine.prompt_cache import Snapshot
-
-    cache = PromptCache(max_entries=2)
-    for i in range(3):
-        cache.store(Snapshot(tokens=(i, i + 1, i + 2), cache=[], head_cache=None, owed_hidden=None))
-    assert len(cache) == 2
-    assert cache.lookup([0, 1, 2, 3], needs_head=False) is None  # evicted first
-    assert cache.lookup([2, 3, 4, 5], needs_head=False) is not None

@@ -4,8 +4,9 @@ on localhost, with a synthetic checkpoint whose word tokenizer lets the client
 read the token ids back from the text, and the OpenAI client.
 
 - Greedy output equals single-process plain greedy output, MTP at depths 1-3,
-  one request and a batch of four (after a client left mid-stream), and a next
-  turn that reuses the prompt cache, tensor and pipeline parallel. Tie rule as in
+  one request and a batch of four (after a client left mid-stream), tensor and
+  pipeline parallel; the prompt cache is off across ranks (a next turn
+  reuses nothing and is still exact). Tie rule as in
   test_greedy_identity: a divergence is tolerated only where the reference's
   top-two logits are within 1e-4 (tensor parallel sums each layer's output over
   the ranks, so logits can differ in the last bits; a pipeline runs one
@@ -13,12 +14,18 @@ read the token ids back from the text, and the OpenAI client.
 - Seeded sampling gives the same tokens as single-process plain sampling with
   that seed (per-position noise: the token depends on the seed, the position and
   the distribution only).
+- Constrained output (a regex, a JSON schema; greedy and seeded) equals the
+  single-process constrained output: every rank keeps the row's matcher.
 - A rank killed mid-stream: rank 0 fails the in-flight requests with 503 (the
   stream's error event, a non-streaming request's status) and exits non-zero,
   and the launcher ends; bounded in time.
 
 Tensor parallel runs the dense family (MTP head whole on every rank) and the MoE
 family (MTP head split too); pipeline runs Qwen3-Next (the head on rank 0 only).
+Constraints need a byte-level tokenizer (llguidance's): they run on the MoE
+family with its byte tokenizer, tensor parallel with the head split, so the
+ranks' drafts must follow the same masks for the split head to see the same
+inputs.
 """
 
 import os
@@ -33,7 +40,9 @@ import pytest
 
 from test_greedy_identity import assert_identical_or_near_tie
 
+from mtp_serve.cli.ranks import prompt_cache_refusal
 from mtp_serve.engine.generator import generate
+from mtp_serve.engine.grammar import Constraint
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.sharding import ShardingError, Split
 from mtp_serve.testing.launch import LaunchedServer
@@ -54,11 +63,15 @@ def reference(lm, prompt, n=N_TOKENS, **sampling):
     return tokens, gaps
 
 
+def completion(server, prompt, depth, n=N_TOKENS, extra=None, **sampling):
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    return client.completions.create(model="test-model", prompt=prompt, max_tokens=n, **{"temperature": 0, **sampling},
+                                     extra_body={"ignore_eos": True, "mtp_depth": depth, **(extra or {})})
+
+
 def complete(server, prompt, depth, n=N_TOKENS, **sampling):
     """One completion over HTTP: (token ids, usage.speculative)."""
-    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
-    r = client.completions.create(model="test-model", prompt=prompt, max_tokens=n, **{"temperature": 0, **sampling},
-                                  extra_body={"ignore_eos": True, "mtp_depth": depth})
+    r = completion(server, prompt, depth, n, **sampling)
     return word_ids(r.choices[0].text), r.model_dump()["usage"]["speculative"]
 
 
@@ -73,7 +86,9 @@ SETUPS = {
     "tensor": ("qwen3_5", ["--parallel", "tensor"]),
     "tensor-moe": ("qwen3_5_moe", ["--parallel", "tensor", "--shard-mtp-head"]),
     "pipeline": ("qwen3_next", ["--parallel", "pipeline"]),
+    "constrained": ("qwen3_5_moe", ["--parallel", "tensor", "--shard-mtp-head"]),
 }
+WORDS = {"constrained": False}  # the others read token ids back from a word tokenizer's text
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +98,7 @@ def servers(checkpoint_dir):
     def get(mode):
         if mode not in started:
             family, args = SETUPS[mode]
-            started[mode] = launch(checkpoint_dir(family, agreeable=True, words=True), *args, "--mtp-depth", "3",
+            started[mode] = launch(checkpoint_dir(family, agreeable=True, words=WORDS.get(mode, True)), *args, "--mtp-depth", "3",
                                    "--fixed-depth", "--rank-timeout", "30").start()
             started[mode].mode = mode
         return started[mode]
@@ -94,10 +109,10 @@ def servers(checkpoint_dir):
 
 
 def single(loaded, mode):
-    return loaded(SETUPS[mode][0], agreeable=True, words=True)
+    return loaded(SETUPS[mode][0], agreeable=True, words=WORDS.get(mode, True))
 
 
-@pytest.mark.parametrize("mode", SETUPS)
+@pytest.mark.parametrize("mode", ["tensor", "tensor-moe", "pipeline"])
 def test_greedy_output_equals_single_process(mode, servers, loaded):
     server, lm = servers(mode), single(loaded, mode)
     refs = [reference(lm, p) for p in PROMPTS]
@@ -118,13 +133,11 @@ def test_greedy_output_equals_single_process(mode, servers, loaded):
     for i, (ids, spec) in enumerate(results):
         assert_identical_or_near_tie(ids, *refs[i], f"{mode} parallel, batch row {i} (depth {depths[i]})")
         assert spec["drafted"] > 0
-    # The next turn of a conversation reuses the prompt's cached state on every rank.
+    # The next turn of a conversation: no prompt cache across ranks, the same tokens.
     tokens, gaps = refs[0]
-    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
-    r = client.completions.create(model="test-model", prompt=PROMPTS[0] + tokens[:12], max_tokens=12, temperature=0,
-                                  extra_body={"ignore_eos": True, "mtp_depth": 2})
-    assert r.usage.prompt_tokens_details.cached_tokens == len(PROMPTS[0])
-    assert_identical_or_near_tie(word_ids(r.choices[0].text), tokens[12:24], gaps[12:24], f"{mode} parallel, cached prompt")
+    r = completion(server, PROMPTS[0] + tokens[:12], 2, 12)
+    assert not (r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens)
+    assert_identical_or_near_tie(word_ids(r.choices[0].text), tokens[12:24], gaps[12:24], f"{mode} parallel, next turn")
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
@@ -137,6 +150,24 @@ def test_seeded_sampling_equals_single_process(mode, servers, loaded):
     with ThreadPoolExecutor(2) as pool:  # and in a batch, at other depths
         got = list(pool.map(lambda i: complete(server, PROMPTS[i], 3 - i, seed=seeds[i], **SAMPLED)[0], range(2)))
     assert got == expected
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+CONSTRAINTS = [({"guided_regex": "[a-f]{3}-[0-9]{2}"}, Constraint("regex", "[a-f]{3}-[0-9]{2}")),
+               ({"guided_json": PERSON}, Constraint.json_schema(PERSON))]
+
+
+def test_constrained_output_equals_single_process(servers, loaded):
+    server, lm = servers("constrained"), single(loaded, "constrained")
+    prompt = lm.tokenizer.encode("Answer:")
+    for (extra, constraint), sampling in zip(CONSTRAINTS * 2, [{}, {}, {"seed": 3, **SAMPLED}, {"seed": 4, **SAMPLED}]):
+        params = SamplingParams(max_tokens=40, constraint=constraint, **sampling)
+        expected = lm.tokenizer.decode([t for c in generate(lm.model, lm.tokenizer, prompt, params, depth=0)
+                                        for t in c.token_ids if t not in lm.tokenizer.eos_token_ids])
+        r = completion(server, prompt, 3, 40, extra={**extra, "ignore_eos": False}, **sampling)
+        assert r.choices[0].text == expected, (extra, sampling)
+        assert r.choices[0].finish_reason == "stop" and r.usage.model_extra["speculative"]["drafted"] > 0
 
 
 def test_killed_rank_gives_503_and_rank_0_exits(servers):
@@ -171,6 +202,9 @@ def test_splits_that_cannot_work_are_refused(loaded):
     eight = SimpleNamespace(rank=lambda: 0, size=lambda: 8)
     with pytest.raises(ShardingError, match="at least 8 layers; this model has 4"):
         Split(eight, "pipeline").apply("qwen3_5", *parts)
+    asked = SimpleNamespace(prompt_cache_bytes=1 << 30, prompt_cache_dir="/tmp/snapshots")
+    assert prompt_cache_refusal(asked).startswith("--prompt-cache-bytes and --prompt-cache-dir: the prompt cache is off across ranks")
+    assert prompt_cache_refusal(SimpleNamespace(prompt_cache_bytes=0, prompt_cache_dir=None)) is None
     nxt = loaded("qwen3_next")
     two = SimpleNamespace(rank=lambda: 0, size=lambda: 2)
     with pytest.raises(ShardingError, match="qwen3_next: mlx-lm .* no tensor-parallel split.*--parallel pipeline"):

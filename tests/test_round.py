@@ -91,10 +91,11 @@ def test_accept_caps_each_row_at_its_own_depth():
     logits = mx.full((2, 4, V), -5.0)
     target = mx.array([[1, 2, 3, 4], [5, 6, 7, 0]])
     logits = logits + 10.0 * (mx.arange(V)[None, None] == target[..., None])
-    drafts = Drafts([3, 1], mx.array([[1, 2, 0], [5, 6, 7]]), [None, None], [None, None])  # row 1 pads with would-be hits
+    drafts = Drafts([3, 1], mx.array([[1, 2, 0], [5, 6, 7]]), [None, None], [None, None], [None, None], [0, 0])  # row 1 pads with would-be hits
 
     class Row:
         params = SamplingParams()
+        grammar = None
 
     verified = Verified(drafts, mx.zeros((2, 4, 1)), [logits[0], logits[1]], mx.argmax(logits, axis=-1))
     accepted = accept(verified, [Row(), Row()])

@@ -23,7 +23,7 @@ PROMPT = [11, 22, 33, 44, 55, 66]
 
 def sample_many(lm, depth, seed0, params_kw, n=N_SAMPLES):
     """n samples; seeds seed0, seed0+1, ... (None: unseeded requests)."""
-    cache = PromptCache(max_entries=4)
+    cache = PromptCache(max_bytes=1 << 20)  # the prompt's snapshot stays (in use), the replies' go
     list(generate(lm.model, lm.tokenizer, PROMPT[:-1], SamplingParams(max_tokens=1, ignore_eos=True), depth, cache))
     seqs, drafted, accepted = [], 0, 0
     for i in range(n):
@@ -31,8 +31,6 @@ def sample_many(lm, depth, seed0, params_kw, n=N_SAMPLES):
         out = []
         for chunk in generate(lm.model, lm.tokenizer, PROMPT, params, depth, cache):
             out += chunk.token_ids
-        cache._entries.pop(tuple(PROMPT + out[:-1]), None)  # keep only the prompt snapshot
-        cache._entries.pop(tuple(PROMPT), None)
         seqs.append(out)
         drafted += sum(chunk.stats.drafted)
         accepted += sum(chunk.stats.accepted)

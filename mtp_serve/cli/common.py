@@ -4,8 +4,11 @@ prompt encoding."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import List
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -13,6 +16,14 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def byte_size(text: str) -> int:
+    """argparse type for a size in bytes: `0`, `1073741824`, `512M`, `8G`, `8GiB`, `1.5GB` (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 0, 512M, 8G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def fail(prog: str, msg: str) -> int:

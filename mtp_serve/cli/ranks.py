@@ -21,6 +21,10 @@ from typing import Optional
 log = logging.getLogger("mtp_serve")
 
 EXIT_RANK_LOST = 3  # rank 0's exit status when the group broke while serving
+# Rank 0 alone would decide the prompt cache's hits, and the other ranks hold other
+# parts of the state: they would have to store and evict the same snapshots.
+PROMPT_CACHE_OFF = ("the prompt cache is off across ranks (the other ranks cannot yet restore the state rank 0 "
+                    "would reuse); every prompt is prefilled whole")
 DRAIN_S = 5.0  # for the engine to end its step, then for the responses to leave, when rank 0 stops
 
 
@@ -32,6 +36,13 @@ def add_arguments(p) -> None:
                    help="tensor parallel: split the MTP head's layer across the ranks too (default: whole on every rank)")
     g.add_argument("--rank-timeout", type=float, default=60.0,
                    help="seconds an engine step may wait for the other ranks before the server gives up (503, exit)")
+
+
+def prompt_cache_refusal(args) -> Optional[str]:
+    """Serving across ranks runs without the prompt cache: asking for it is an error."""
+    asked = [flag for flag, value in (("--prompt-cache-bytes", args.prompt_cache_bytes),
+                                      ("--prompt-cache-dir", args.prompt_cache_dir)) if value]
+    return f"{' and '.join(asked)}: {PROMPT_CACHE_OFF}" if asked else None
 
 
 class Ranks:
@@ -65,6 +76,7 @@ class Ranks:
             print(f"mtp-serve: {self.link.size} ranks, {self.split.mode} parallel:", flush=True)
             for line in report_lines(parts):
                 print(f"  {line}", flush=True)
+            print(f"mtp-serve: {PROMPT_CACHE_OFF}", flush=True)
 
     def follow(self, loaded) -> int:
         """A rank other than 0: run rank 0's steps until it stops."""

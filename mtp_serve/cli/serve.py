@@ -14,7 +14,8 @@ from pathlib import Path
 
 from mtp_serve import BACKEND
 from mtp_serve.cli import ranks
-from mtp_serve.cli.common import OneLineParser, fail
+from mtp_serve.cli.common import OneLineParser, byte_size, fail
+from mtp_serve.server.limits import Limits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -26,17 +27,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
                    "each request's depth is chosen up to it from measured costs and its own acceptance")
     p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
+                   "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for an engine slot (then 429)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health")
+    p.add_argument("--metrics-without-key", action="store_true", help="with --api-key: leave /metrics open to a scraper")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the free batch slots (then 429)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
     p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, metavar="SIZE",
+                   help="memory for reusable model state across requests, e.g. 8G (default: a quarter of the memory "
+                        "available at start-up; 0 turns the prompt cache off)")
+    p.add_argument("--prompt-cache-interval", type=int, metavar="TOKENS",
+                   help="also snapshot every TOKENS tokens inside long messages (default: measured per model; 0: only "
+                        "at message boundaries)")
+    p.add_argument("--prompt-cache-dir", metavar="DIR", help="keep snapshots on disk too, in DIR: they survive restarts")
+    p.add_argument("--prompt-cache-disk-bytes", type=byte_size, metavar="SIZE",
+                   help="most disk space for --prompt-cache-dir (default: half the free space, at most 16G)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
+    p.add_argument("--default-max-tokens", type=int, help="completion length of a request without max_tokens "
+                   "(default: the rest of the context)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special tokens (<|im_end|>, ...) in message text as control tokens, not as text")
+    limits = Limits()
+    p.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes, help="largest request body (then 413)")
+    p.add_argument("--max-messages", type=int, default=limits.max_messages, help="messages (or input items) per request")
+    p.add_argument("--max-tools", type=int, default=limits.max_tools, help="tools per request")
+    p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="deepest JSON nesting in a request")
+    p.add_argument("--max-stop", type=int, default=limits.max_stop, help="stop sequences per request")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ranks.add_arguments(p)
     return p
@@ -58,6 +81,19 @@ def main(argv=None) -> int:
         return error("--max-batch-size and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 2:
         return error("--max-context must be at least 2")
+    small = [f for f in ("max_request_bytes", "max_messages", "max_tools", "max_json_depth", "max_stop", "default_max_tokens")
+             if getattr(args, f) is not None and getattr(args, f) < 1]
+    if small:
+        return error(f"--{small[0].replace('_', '-')} must be at least 1")
+    if args.prompt_cache_interval is not None and args.prompt_cache_interval < 0:
+        return error("--prompt-cache-interval must be 0 or more")
+    if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
+        return error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+    if args.prompt_cache_dir:
+        try:
+            Path(args.prompt_cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return error(f"--prompt-cache-dir: {e}")
     if args.chat_template is not None:
         import os
 
@@ -69,12 +105,19 @@ def main(argv=None) -> int:
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
     from mtp_serve.models.sharding import ShardingError
-    from mtp_serve.server.app import ServerConfig, create_app, generation_defaults
+    from mtp_serve.server.app import create_app
+    from mtp_serve.server.service import ServerConfig, generation_defaults
 
     group = ranks.distributed_ranks(args)  # launched by mlx.launch with several ranks, else None
+    if group is not None:
+        refused = ranks.prompt_cache_refusal(args)
+        if refused:
+            return error(refused)
+        args.prompt_cache_bytes = 0
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp, split=group.split if group else None)
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
+                            split=group.split if group else None)
     except FileNotFoundError as e:
         return error(str(e))
     except (CheckpointError, ShardingError) as e:
@@ -108,9 +151,21 @@ def main(argv=None) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_interval=args.prompt_cache_interval,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         sampling_defaults=generation_defaults(loaded.path),
+        limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
+                      max_json_depth=args.max_json_depth, max_stop=args.max_stop),
+        default_max_tokens=args.default_max_tokens,
+        special_tokens_in_content=args.allow_special_tokens_in_content,
+        metrics_without_key=args.metrics_without_key,
     )
-    app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
+    try:
+        app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
+    except OSError as e:  # the prompt cache's folder
+        return error(f"--prompt-cache-dir: {e}")
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
