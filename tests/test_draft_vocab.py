@@ -88,3 +88,31 @@ def test_draft_vocab_file_round_trip(tmp_path):
     assert json.loads((tmp_path / DRAFT_VOCAB_FILE).read_text())["source"] == "test"
     assert load_draft_ids(tmp_path, 2) == [255, ord("a")]
     assert load_draft_ids(tmp_path, 0) is None and load_draft_ids(tmp_path / "none", 5) is None
+
+
+def test_tune_measures_stores_and_uses_a_draft_vocab(tmp_path, checkpoint_dir):
+    """`mtp-tune --draft-vocab-text FILE --draft-vocab N`: the frequencies land in
+    draft_vocab.json (special tokens first, then by count), N in mtp_serve.json, and a
+    later load drafts from those N tokens."""
+    import shutil
+
+    from mtp_serve.cli import tune
+    from mtp_serve.models.loader import load_model
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_5", agreeable=True), model)
+    lm = load_model(str(model))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("return x\n" * 50 + "yield y\n" * 5 + lm.tokenizer.decode(list(range(lm.model.vocab_size))))
+    args = ["--draft-vocab-text", str(corpus), "--draft-vocab", "100", "--tune-tokens", "8", "--tune-repeats", "1",
+            "--max-depth", "1"]
+    assert tune.main([str(model)] + args) == 0  # not 3: drafts from the 100 tokens are accepted
+
+    lm = load_model(str(model))
+    ids = load_draft_ids(model, 10_000)
+    encode = lambda t: lm.tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+    special = set(lm.tokenizer.eos_token_ids)
+    assert special <= set(ids[: len(special) + 8])
+    assert ids.index(encode("return x\n")[0]) < ids.index(encode("yield y\n")[0])
+    assert json.loads((model / "mtp_serve.json").read_text())["draft_vocab_size"] == 100
+    assert lm.model.draft_vocab is not None and lm.model.draft_vocab.size == 100

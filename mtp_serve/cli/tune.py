@@ -1,6 +1,7 @@
 """mtp-tune: measure MTP on this machine and keep the depth that pays.
 
     mtp-tune MODEL [--max-depth 3] [--tune-tokens 96] [--tune-repeats 3] [--no-save]
+                   [--draft-vocab-text FILE ...] [--draft-vocab N]
 
 Loads the model and decodes a few built-in prompts greedily, plainly and at
 each depth 1..max-depth (modes alternate, round-robin over the repeats, so
@@ -11,6 +12,11 @@ a table and a verdict, and stores the chosen depth as `default_mtp_depth` in
 the model's `mtp_serve.json` (0: MTP does not pay here), which mtp-serve and
 mtp-generate use by default. `mtp-graft` and `mtp-convert` run the same
 check after writing.
+
+`--draft-vocab-text FILE ...` first measures the checkpoint's draft vocabulary
+(token frequencies over the files, special tokens first) into `draft_vocab.json`;
+`--draft-vocab N` tunes with drafts from the N most frequent tokens and stores N
+as the model's `draft_vocab_size`.
 """
 
 from __future__ import annotations
@@ -189,8 +195,9 @@ def table(m: Measurement) -> str:
                      for r in rows)
 
 
-def save_choice(model_dir: Path, v: Verdict, m: Measurement) -> Path:
-    """Merge `default_mtp_depth` (and what it was measured from) into the model's mtp_serve.json."""
+def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Optional[int] = None) -> Path:
+    """Merge `default_mtp_depth` (and what it was measured from; `draft_vocab_size` when
+    tuned with one) into the model's mtp_serve.json."""
     from mtp_serve.models.model_card import CHECKPOINT_CARD_FILE
 
     path = Path(model_dir) / CHECKPOINT_CARD_FILE
@@ -199,6 +206,8 @@ def save_choice(model_dir: Path, v: Verdict, m: Measurement) -> Path:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e}); fix or delete it") from e
     data["default_mtp_depth"] = v.depth
+    if draft_vocab is not None:
+        data["draft_vocab_size"] = draft_vocab
     data["mtp_tune"] = {
         "verdict": v.text,
         "speed_vs_plain": {str(d): round(m.ratio(d), 3) for d in m.depths},
@@ -217,6 +226,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-depth", type=int, default=3, help="measure depths 1..N (default 3)")
     p.add_argument("--tune-tokens", type=int, default=96, help="tokens decoded per prompt and mode (default 96)")
     p.add_argument("--tune-repeats", type=int, default=3, help="round-robin repeats over the modes (default 3)")
+    p.add_argument("--draft-vocab-text", nargs="+", metavar="FILE", help="measure the checkpoint's draft vocabulary "
+                   "(token frequencies over these text files) into draft_vocab.json first")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="tune with drafts from the N most frequent tokens and "
+                   "store N as the model's draft_vocab_size (0: the whole vocabulary)")
 
 
 def check_tune_arguments(args) -> Optional[str]:
@@ -224,7 +237,25 @@ def check_tune_arguments(args) -> Optional[str]:
         return "--max-depth must be between 1 and 8"
     if args.tune_tokens < 4 or args.tune_repeats < 1:
         return "--tune-tokens must be at least 4 and --tune-repeats at least 1"
+    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
+        return "--draft-vocab must be 0 (the whole vocabulary) or a number of tokens"
     return None
+
+
+def measure_and_store_draft_vocab(lm, files: List[str], save: bool, out: Callable[[str], None]) -> List[int]:
+    """Token ids by frequency over `files` (the special tokens first: a chat turn's end
+    must stay draftable), stored with the checkpoint unless `save` is off."""
+    from mtp_serve.models.draft_vocab import measure_draft_vocab, save_draft_vocab
+    from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+
+    texts = [Path(f).read_text(errors="replace") for f in files]
+    special = list(lm.tokenizer.eos_token_ids) + list(hf_tokenizer(lm.tokenizer).all_special_ids)
+    ids = measure_draft_vocab(lambda t: lm.tokenizer.encode(t, add_special_tokens=False), texts, always=special)
+    note = f"draft vocabulary: {len(ids)} distinct tokens over {len(files)} file(s)"
+    if save:
+        note += f", stored in {save_draft_vocab(lm.path, ids, 'token frequencies of ' + ', '.join(Path(f).name for f in files))}"
+    out(note)
+    return ids
 
 
 def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], None] = print) -> Verdict:
@@ -232,9 +263,16 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     CheckpointError for a model that cannot be loaded or has no MTP head."""
     from mtp_serve.models.loader import CheckpointError, load_model
 
-    lm = load_model(model, enable_mtp=True)
+    draft_vocab = getattr(args, "draft_vocab", None)
+    lm = load_model(model, enable_mtp=True, draft_vocab=draft_vocab)
     if not lm.model.has_mtp:
         raise CheckpointError(f"{lm.path}: {lm.mtp_status}; add the head with: {lm.mtp_fix}")
+    if getattr(args, "draft_vocab_text", None):
+        ids = measure_and_store_draft_vocab(lm, args.draft_vocab_text, save, out)
+        size = lm.card.draft_vocab_size if draft_vocab is None else draft_vocab
+        lm.model.use_draft_vocab(ids[:size] if size else None)
+    if lm.model.draft_vocab is not None:
+        out(f"drafting from the {lm.model.draft_vocab.size} most frequent tokens of {lm.model.vocab_size}")
     out(f"verifying and tuning MTP on {lm.path} ({BACKEND.note}); {len(PROMPTS)} prompts x {args.tune_tokens} "
         f"tokens x {args.tune_repeats} repeats, modes alternating")
     m = measure(lm, args.max_depth, args.tune_tokens, args.tune_repeats, progress=lambda s: out(f"  {s}"))
@@ -243,8 +281,11 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     out(f"verdict: {v.text}")
     for note in v.notes:
         out(f"note: {note}")
+    if v.broken and lm.model.draft_vocab is not None:
+        out(f"note: drafts came from {lm.model.draft_vocab.size} tokens only; a draft vocabulary measured on text "
+            "unlike the model's output also gives this: try --draft-vocab 0")
     if save:
-        path = save_choice(lm.path, v, m)
+        path = save_choice(lm.path, v, m, draft_vocab)
         out(f"stored default_mtp_depth={v.depth} in {path} (mtp-serve and mtp-generate use it by default)")
     return v
 
