@@ -99,11 +99,16 @@ def coupled(params: "SamplingParams") -> bool:
     return not params.greedy and params.seed is not None
 
 
-class Rng:
-    """A per-request stream of PRNG keys for unseeded sampling."""
+def random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little")
 
-    def __init__(self):
-        self._key = mx.random.key(int.from_bytes(os.urandom(8), "little"))
+
+class Rng:
+    """A per-request stream of PRNG keys for unseeded sampling (from a random seed,
+    or a given one: ranks serving one request together start from the same)."""
+
+    def __init__(self, seed: Optional[int] = None):
+        self._key = mx.random.key(random_seed() if seed is None else seed)
 
     def next(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)

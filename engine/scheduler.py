@@ -45,6 +45,7 @@ class Scheduler:
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
+        sync=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -52,6 +53,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache
         self.policy = policy or DepthPolicy()
+        # Serving across ranks (`distributed.py`): rank 0's decisions (first tokens,
+        # depths, drafts, accepted tokens) are shared, and the other ranks take them.
+        self.sync = sync
         self.prefilling: Deque[Sequence] = deque()
         self.batch = Batch()  # the running rows, in join order
         self.seqs: Dict[Hashable, Sequence] = {}
@@ -113,6 +117,8 @@ class Scheduler:
             return
         if emitted is None:
             return
+        if self.sync is not None:
+            emitted = self.sync.first_token(seq, emitted)
         self.prefilling.popleft()
         yield seq.key, seq.apply(emitted)
         self._store(seq, seq.prompt, seq.caches)
@@ -126,7 +132,9 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             depths = self.policy.depths(rows)
-            accepted = run_round(self.model, self.batch, depths)
+            if self.sync is not None:
+                depths = self.sync.depths(rows, depths)
+            accepted = run_round(self.model, self.batch, depths, self.sync)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop

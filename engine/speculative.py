@@ -97,10 +97,12 @@ class Accepted:
         return self.tokens[i], self.verified.p[i][: self.counts[i] + 1]
 
 
-def run_round(model: MTPModel, batch: Batch, depths: List[int]) -> Accepted:
-    drafts = draft(model, batch, depths)
+def run_round(model: MTPModel, batch: Batch, depths: List[int], sync=None) -> Accepted:
+    """With `sync` (serving across ranks, `distributed.py`), rank 0's drafts and
+    accept decisions are shared and the other ranks use them."""
+    drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths)
     verified = verify(model, batch, drafts)
-    accepted = accept(verified, batch.rows)
+    accepted = sync.accept(verified, batch.rows) if sync else accept(verified, batch.rows)
     commit(batch, accepted)
     return accepted
 
@@ -267,7 +269,7 @@ def commit(batch: Batch, accepted: Accepted) -> None:
     W = verified.drafts.width
     if W > 1:
         keep_verified(batch.cache, [m + 1 for m in accepted.counts], W)
-        if W > 2:
+        if W > 2 and batch.head_cache is not None:  # (a pipeline stage without the head has none)
             batch.head_cache.trim(W - 2)
     for i, s in enumerate(batch.rows):
         m, emitted = accepted.counts[i], accepted.tokens[i]

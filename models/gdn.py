@@ -149,7 +149,10 @@ class CapturingGatedDeltaNetMixin:
                 q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
                 use_kernel=not self.training,
             )
-        return self.out_proj(self.norm(out, z).reshape(B, S, -1)), conv_input, state
+        out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
+        if getattr(self, "sharding_group", None) is not None:  # tensor parallel: sum the ranks' heads
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out, conv_input, state
 
     def __call__(
         self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None

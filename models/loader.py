@@ -50,6 +50,7 @@ from .mtp_weights import (
     text_config,
 )
 from .safetensors_files import INDEX_FILE, read_index
+from .sharding import Split
 
 log = logging.getLogger("mtp_serve.loader")
 
@@ -174,10 +175,11 @@ def empty_head(config: dict) -> Tuple[MTPHead, nn.Module]:
 
 
 def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None,
-               draft_vocab: Optional[int] = None) -> LoadedModel:
+               draft_vocab: Optional[int] = None, split: Optional[Split] = None) -> LoadedModel:
     """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype;
     `draft_vocab`: draft from the checkpoint's N most frequent tokens (None: the model
-    card's `draft_vocab_size`; 0: the whole vocabulary)."""
+    card's `draft_vocab_size`; 0: the whole vocabulary). With `split`, this rank keeps
+    (and reads from disk) only its part of the model."""
     path = resolve_model_path(path_or_repo)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -220,6 +222,8 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
         _load_strict(head, head_w, "MTP head (mtp.*)", path)
         status = "MTP on"
 
+    if split is not None:  # before anything is evaluated: the rest is never read
+        head = split.apply(config["model_type"], model, text, head)
     target = getattr(mx, dtype or BACKEND.compute_dtype)
     float_pred = lambda x: mx.issubdtype(x, mx.floating)  # noqa: E731
     model.set_dtype(target, float_pred)
@@ -235,6 +239,10 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     if head is not None:
         size = card.draft_vocab_size if draft_vocab is None else draft_vocab
         ids = load_draft_ids(path, size)
+        if ids is not None and split is not None and split.splits_vocabulary(text):
+            log.warning("%s: tensor parallel splits the LM head by vocabulary; drafting from the whole vocabulary "
+                        "(the draft vocabulary is off)", path)
+            ids = None
         if size and ids is None:
             log.warning("%s: no %s: drafting from the whole vocabulary (mtp-tune --draft-vocab-text FILE measures one)",
                         path, DRAFT_VOCAB_FILE)

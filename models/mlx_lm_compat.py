@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import inspect
 import logging
+from types import SimpleNamespace
 from typing import Iterable
 
 import mlx_lm
 from mlx_lm.models import base as _base
 from mlx_lm.models import cache as _cache
 from mlx_lm.models import gated_delta as _gated_delta
+from mlx_lm.models import pipeline as _pipeline
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm import sample_utils as _sample_utils
 from mlx_lm import tokenizer_utils as _tokenizer_utils
 from mlx_lm import utils as _utils
 
 TESTED_MLX_LM = "0.32.2"
+mlx_lm_version = mlx_lm.__version__
 
 log = logging.getLogger("mtp_serve.mlx_lm_compat")
 
@@ -61,7 +64,8 @@ def _require_init_fields(cls: type, names: Iterable[str]) -> None:
 
 _require(_utils, ["_get_classes", "infer_quant_config", "load_tokenizer"], "mlx_lm.utils")
 _require(_gated_delta, ["_gated_delta_step_ops", "compute_g", "gated_delta_update", "normalize_qk"], "mlx_lm.models.gated_delta")
-_require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product_attention"], "mlx_lm.models.base")
+_require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product_attention", "gather_last_axis"],
+         "mlx_lm.models.base")
 _require(_cache, ["KVCache", "BatchKVCache", "ArraysCache"], "mlx_lm.models.cache")
 _require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
 _require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
@@ -80,6 +84,12 @@ _require(qwen3_next.Qwen3NextGatedDeltaNet, ["fix_query_key_value_ordering"], "Q
 _require_init_fields(qwen3_next.Qwen3NextGatedDeltaNet, ["in_proj_qkvz", "in_proj_ba", "conv_kernel_size", "conv_dim"])
 _require_init_fields(qwen3_next.Qwen3NextAttention, [
     "num_attention_heads", "num_key_value_heads", "scale", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rope"])
+# Distributed serving (models/sharding.py): mlx-lm's tensor-parallel `shard` and pipeline split.
+_require(qwen3_5.Model, ["shard"], "mlx_lm.models.qwen3_5.Model")
+_require(_pipeline.PipelineMixin, ["pipeline", "pipeline_layers"], "PipelineMixin")
+_require_init_fields(_pipeline.PipelineMixin, ["pipeline_rank", "pipeline_size", "start_idx", "end_idx"])
+_require_init_fields(qwen3_5.GatedDeltaNet, ["sharding_group"])
+_require_init_fields(qwen3_5.TextModel, ["sharding_group"])
 for _layer in (qwen3_5.DecoderLayer, qwen3_next.Qwen3NextDecoderLayer):
     _require_init_fields(_layer, ["is_linear", "input_layernorm", "post_attention_layernorm", "mlp"])
 
@@ -108,6 +118,7 @@ normalize_qk = _gated_delta.normalize_qk
 create_attention_mask = _base.create_attention_mask
 create_ssm_mask = _base.create_ssm_mask
 scaled_dot_product_attention = _base.scaled_dot_product_attention
+gather_last_axis = _base.gather_last_axis
 
 KVCache = _cache.KVCache
 BatchKVCache = _cache.BatchKVCache
@@ -122,3 +133,12 @@ Qwen35DecoderLayer = qwen3_5.DecoderLayer
 Qwen3NextGatedDeltaNetBase = qwen3_next.Qwen3NextGatedDeltaNet
 Qwen3NextDecoderLayer = qwen3_next.Qwen3NextDecoderLayer
 Qwen3NextAttention = qwen3_next.Qwen3NextAttention
+
+
+def shard_decoder_layers(layers, group) -> None:
+    """Split decoder layers (attention or GatedDeltaNet, MLP or MoE) across `group`
+    exactly as mlx-lm's Qwen3.5 `Model.shard` splits the backbone's: its own loop,
+    run over these layers only (the MTP head's), with no LM head to split."""
+    only_layers = SimpleNamespace(layers=list(layers),
+                                  language_model=SimpleNamespace(args=SimpleNamespace(tie_word_embeddings=True)))
+    qwen3_5.Model.shard(only_layers, group)

@@ -18,8 +18,9 @@ from .caches import SpeculativeGDNCache
 from .compiled_steps import CompiledLayers
 from .draft_vocab import DraftVocab
 from .model_card import ModelCard
-from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask
+from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
+from .sharding import local_layers, pipeline_stage
 
 
 class MTPModel:
@@ -32,6 +33,7 @@ class MTPModel:
         # Short decode inputs run through compiled layers (see compiled_steps.py);
         # None runs mlx-lm's layers as they are.
         self.compiled: Optional[CompiledLayers] = CompiledLayers()
+        self.stage = pipeline_stage(self.inner)  # this rank's place in a pipeline split, or None
         # The head's drafts score only this subset of the vocabulary (None: all of it).
         self.draft_vocab: Optional[DraftVocab] = None
 
@@ -41,7 +43,7 @@ class MTPModel:
 
     @property
     def layers(self) -> list:
-        return self.inner.layers
+        return local_layers(self.inner)
 
     @property
     def has_mtp(self) -> bool:
@@ -73,18 +75,25 @@ class MTPModel:
     def lm_head(self, h: mx.array) -> mx.array:
         if self.text.args.tie_word_embeddings:
             return self.inner.embed_tokens.as_linear(h)
-        return self.text.lm_head(h)
+        logits = self.text.lm_head(h)
+        group = getattr(self.text, "sharding_group", None)  # tensor parallel: each rank computes a slice of the vocabulary
+        return logits if group is None else gather_last_axis(logits, group)
 
     def forward(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
         """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V])."""
         inner = self.inner
         blas_threads_for(tokens.size)
         h = inner.embed_tokens(tokens)
-        fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-        ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+        # (A pipeline stage may hold no attention or no GatedDeltaNet layer.)
+        fa_mask = create_attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
+        if self.stage is not None:
+            h = self.stage.receive(h)
         run = self.compiled or (lambda layer, h, mask, cache: layer(h, mask=mask, cache=cache))
         for layer, c in zip(self.layers, cache):
             h = run(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
+        if self.stage is not None:
+            h = self.stage.pass_on(h)
         post = inner.norm(h)
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
 

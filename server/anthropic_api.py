@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
 from mtp_serve.server.chat import ChatPrompt
-from mtp_serve.server.errors import anthropic_error_body, bad_request
+from mtp_serve.server.errors import anthropic_error_body, bad_request, failure_status
 from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
 from mtp_serve.server.generation import complete, finish_reason, parse_output, stream_steps
 from mtp_serve.server.openai_format import speculative
@@ -302,7 +302,7 @@ def ping() -> ServerSentEvent:
 
 
 def stream_error(e: Exception) -> List[dict]:
-    return [{"event": "error", "data": json.dumps(anthropic_error_body(500, str(e)))}]
+    return [{"event": "error", "data": json.dumps(anthropic_error_body(failure_status(e), str(e)))}]
 
 
 BLOCK_STARTS = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from mtp_serve.engine.engine_loop import EngineLoop
 from mtp_serve.server import anthropic_api, openai_api, responses_api
 from mtp_serve.server.auth import APIKeyMiddleware
 from mtp_serve.server.errors import error_body, install_error_handlers
@@ -24,8 +25,10 @@ from mtp_serve.server.openapi import install_openapi
 from mtp_serve.server.service import ServerConfig, Service
 
 
-def create_app(loaded, config: ServerConfig) -> FastAPI:
-    svc = Service(loaded, config)
+def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastAPI:
+    """`engine_factory` builds the engine (with EngineLoop's arguments); serving across
+    ranks passes rank 0's `DistributedEngine`."""
+    svc = Service(loaded, config, engine_factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

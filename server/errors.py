@@ -69,6 +69,18 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
     return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
 
 
+def failure_status(e: BaseException) -> int:
+    """An engine failure's status: 503 when the engine stopped under the request (the
+    server is shutting down, or a rank of a server across machines was lost), else 500."""
+    return 503 if isinstance(e, EngineStopped) else 500
+
+
+def failure_body(e: BaseException) -> dict:
+    """An engine failure mid-stream, as an OpenAI error object."""
+    status = failure_status(e)
+    return error_body(str(e), _TYPES.get(status, "server_error"), code="engine_stopped" if status == 503 else None)
+
+
 def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
 from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
-from mtp_serve.server.errors import bad_request, error_body
+from mtp_serve.server.errors import bad_request, failure_body
 from mtp_serve.server.generation import Generation, complete, engine_chunks, finish_reason, parse_output, stream_steps
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from mtp_serve.server.service import Sampling, Service
@@ -28,7 +28,7 @@ router = APIRouter()
 def openai_stream(svc: Service, events, scope):
     """OpenAI streams end with `data: [DONE]`; an engine failure is an error object first."""
     return sse_response(svc, events, scope, done={"data": "[DONE]"},
-                        on_error=lambda e: [fmt.sse(error_body(str(e), "server_error"))])  # e: what the client may read
+                        on_error=lambda e: [fmt.sse(failure_body(e))])  # e: what the client may read
 
 
 def check_common(svc: Service, req) -> None:

@@ -103,7 +103,7 @@ class Sampling:
 
 
 class Service:
-    def __init__(self, loaded, config: ServerConfig):
+    def __init__(self, loaded, config: ServerConfig, engine_factory=EngineLoop):
         self.loaded = loaded
         self.config = config
         self.max_context = config.max_context or model_max_context(loaded.config)
@@ -113,9 +113,9 @@ class Service:
         prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
                                          interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
                                          disk_bytes=config.prompt_cache_disk_bytes)
-        self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
-                                 prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
-                                 policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
+        self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
+                                     prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
+                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,

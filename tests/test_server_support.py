@@ -8,7 +8,6 @@ No tests here; imported by tests/test_server*.py.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,18 +21,13 @@ import uvicorn
 
 from mtp_serve.models.gdn import install_capturing_gdn
 from mtp_serve.testing.hf_layout import hf_weights, save_hf_checkpoint
+from mtp_serve.testing.launch import Loopback, free_port
 from mtp_serve.models.loader import load_model
 from mtp_serve.testing.synthetic import build_random, tiny_text_config, write_byte_tokenizer
 from mtp_serve.server.app import ServerConfig, create_app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
+class LiveServer(Loopback):
     """`create_app` served by uvicorn in a background thread (its own event loop)."""
 
     def __init__(self, loaded, config: ServerConfig):
@@ -43,14 +37,6 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def root(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "LiveServer":
         if self.thread.is_alive():

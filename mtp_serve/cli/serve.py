@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mtp_serve import BACKEND
+from mtp_serve.cli import ranks
 from mtp_serve.cli.common import OneLineParser, byte_size, fail
 from mtp_serve.server.limits import Limits
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="deepest JSON nesting in a request")
     p.add_argument("--max-stop", type=int, default=limits.max_stop, help="stop sequences per request")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    ranks.add_arguments(p)
     return p
 
 
@@ -102,16 +104,28 @@ def main(argv=None) -> int:
 
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
+    from mtp_serve.models.sharding import ShardingError
     from mtp_serve.server.app import create_app
     from mtp_serve.server.service import ServerConfig, generation_defaults
 
+    group = ranks.distributed_ranks(args)  # launched by mlx.launch with several ranks, else None
+    if group is not None:
+        refused = ranks.prompt_cache_refusal(args)
+        if refused:
+            return error(refused)
+        args.prompt_cache_bytes = 0
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab)
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
+                            split=group.split if group else None)
     except FileNotFoundError as e:
         return error(str(e))
-    except CheckpointError as e:
+    except (CheckpointError, ShardingError) as e:
         return error(str(e))
+    if group is not None:
+        group.announce(loaded)
+        if group.rank != 0:
+            return group.follow(loaded)
 
     depth = 0
     if loaded.model.has_mtp:
@@ -149,7 +163,7 @@ def main(argv=None) -> int:
         metrics_without_key=args.metrics_without_key,
     )
     try:
-        app = create_app(loaded, config)
+        app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
     except OSError as e:  # the prompt cache's folder
         return error(f"--prompt-cache-dir: {e}")
     svc = app.state.service
@@ -163,12 +177,17 @@ def main(argv=None) -> int:
 
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
-    try:
-        log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
-        threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
-        log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
-    except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
-        log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
+    if group is not None:  # every rank takes part; a failure here ends the group
+        log.info("warm-up on %d ranks took %.1fs", group.link.size, svc.engine.warm_up(depth))
+    else:
+        try:
+            log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
+            threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
+            log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
+        except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
+            log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
+    if group is not None:
+        return group.serve(app, svc.engine, args.host, args.port, args.log_level)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

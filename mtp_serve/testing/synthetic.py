@@ -8,8 +8,9 @@ same loader as a real checkpoint. Four families: Qwen3.5 dense, Qwen3.5 MoE
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -144,6 +145,25 @@ def write_byte_tokenizer(out_dir: Path, chat_template: str = MINIMAL_CHAT_TEMPLA
     return len(vocab) + len(QWEN_SPECIAL_TOKENS)
 
 
+def write_word_tokenizer(out_dir: Path, vocab_size: int, chat_template: str = MINIMAL_CHAT_TEMPLATE) -> None:
+    """A tokenizer whose token i is the word "t<i>", so a client can read the token ids
+    back from the text (`word_ids`, with or without spaces between them); no special
+    tokens (the model's EOS id comes from its config)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
+
+
+def word_ids(text: str) -> List[int]:
+    """The token ids in text decoded by `write_word_tokenizer`'s tokenizer."""
+    return [int(i) for i in re.findall(r"t(\d+)", text)]
+
+
 def _byte_of(ch: str) -> int:
     from tokenizers import pre_tokenizers  # noqa: F401
 
@@ -170,9 +190,11 @@ def write_synthetic_checkpoint(
     mtp_shard: bool = True,
     max_shard_tensors: Optional[int] = 40,
     dtype: mx.Dtype = mx.float32,
+    words: bool = False,
     **text_overrides,
 ) -> Path:
-    """Write a random checkpoint of `family` in HF layout with a byte tokenizer.
+    """Write a random checkpoint of `family` in HF layout with a byte tokenizer
+    (`words`: a word tokenizer whose text gives the token ids back).
 
     `likely_eos` (with `agreeable`): EOS is one of the few likely tokens, so sampled
     replies end after a handful of tokens (agents' end-to-end tests)."""
@@ -185,7 +207,10 @@ def write_synthetic_checkpoint(
         make_agreeable(model, head, family, also_likely=(text["eos_token_id"],) if likely_eos else ())
     weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
     save_hf_checkpoint(out_dir, weights, config, dtype=dtype, mtp_shard=mtp_shard, max_shard_tensors=max_shard_tensors)
-    write_byte_tokenizer(out_dir)
+    if words:
+        write_word_tokenizer(out_dir, text["vocab_size"])
+    else:
+        write_byte_tokenizer(out_dir)
     gen = {"eos_token_id": text["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(gen))
     return out_dir
