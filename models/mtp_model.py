@@ -17,9 +17,10 @@ from mlx_lm.models.cache import KVCache
 from mtp_serve.backend import blas_threads_for
 
 from .caches import SpeculativeGDNCache
-from .compiled_steps import CompiledLayers
+from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers
 from .model_card import ModelCard
 from .mtp_head import MTPHead
+from .prefill_layers import PrefillLayers
 
 
 class MTPModel:
@@ -32,6 +33,9 @@ class MTPModel:
         # Short decode inputs run through compiled layers (see compiled_steps.py);
         # None runs mlx-lm's layers as they are.
         self.compiled: Optional[CompiledLayers] = CompiledLayers()
+        # Longer inputs (prefill chunks) on CPU run through PrefillLayers (blockwise
+        # attention, fast activations); None, or a GPU, runs mlx-lm's layers.
+        self.prefill: Optional[PrefillLayers] = PrefillLayers() if mx.default_device() == mx.cpu else None
 
     @property
     def inner(self) -> nn.Module:
@@ -67,14 +71,21 @@ class MTPModel:
         h = inner.embed_tokens(tokens)
         fa_mask = create_attention_mask(h, cache[inner.fa_idx])
         ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-        run = self.compiled or (lambda layer, h, mask, cache: layer(h, mask=mask, cache=cache))
         for layer, c in zip(self.layers, cache):
-            h = run(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
+            h = self.run_layer(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
         post = inner.norm(h)
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
         blas_threads_for(next_tokens.size)
-        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.compiled)
+        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.run_layer)
         return out, self.lm_head(out)
+
+    def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:
+        """One decoder layer: compiled for decode-sized inputs, PrefillLayers for long ones."""
+        if self.prefill is not None and h.shape[1] > MAX_COMPILED_TOKENS:
+            return self.prefill(layer, h, mask, cache)
+        if self.compiled is not None:
+            return self.compiled(layer, h, mask, cache)
+        return layer(h, mask=mask, cache=cache)
