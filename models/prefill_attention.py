@@ -83,5 +83,8 @@ def causal_attention(
             denom = denom + ep.sum(-3)
             out = mx.addmm(out, ep.reshape(B, Hk, p, r * n).swapaxes(-1, -2), v[:, :, :p])
         outs.append(out.reshape(B, Hk, r, n, D) / denom[..., None])
+        # One block at a time: evaluated together, MLX interleaves the blocks'
+        # operations and their score tiles leave the cache (measured 1.2-1.9x slower).
+        mx.eval(outs[-1])
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, H, L, D)
