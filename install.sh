@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs mtp-serve and everything it needs on a fresh machine.
 #   ./install.sh           the server (Python package, OpenBLAS on Linux)
-#   ./install.sh --test    also the test tools (pytest, openai, scipy) and opencode from npm
+#   ./install.sh --test    also the test tools (pytest, openai, anthropic, scipy, schemathesis) and the agents the
+#                          end-to-end tests drive, from npm: opencode, Claude Code, Codex CLI
 set -euo pipefail
 cd "$(dirname "$0")"
 want_test=0
@@ -27,10 +28,14 @@ fi
 if [ "$want_test" = 1 ]; then
   python3 -m pip install -q -e ".[test]"
   if command -v npm >/dev/null; then
-    mkdir -p .work/opencode
-    (cd .work/opencode && [ -x node_modules/.bin/opencode ] || npm install --silent --no-audit --no-fund opencode-ai >/dev/null)
+    # One folder per agent under .work/ (where tests/npm_clients.py looks): dir, binary, package.
+    for agent in "opencode opencode opencode-ai" "claude claude @anthropic-ai/claude-code" "codex codex @openai/codex"; do
+      set -- $agent
+      mkdir -p ".work/$1"
+      (cd ".work/$1" && [ -x "node_modules/.bin/$2" ] || npm install --silent --no-audit --no-fund "$3" >/dev/null)
+    done
   else
-    echo "install.sh: npm not found; the opencode end-to-end test will be skipped" >&2
+    echo "install.sh: npm not found; the agents' end-to-end tests (opencode, Claude Code, Codex) will be skipped" >&2
   fi
 else
   python3 -m pip install -q -e .

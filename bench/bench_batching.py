@@ -1,14 +1,23 @@
-"""Continuous batching with per-sequence MTP vs batched plain vs sequential MTP.
+"""Continuous batching with per-row MTP vs batched plain vs sequential MTP.
 
     python bench/bench_batching.py [--model DIR] [--concurrency 1 2 4 8] [--max-tokens 128] [--json out.json]
+                                   [--baseline-rev REV]
 
 For each concurrency c, the same c prompts are decoded greedily three ways, in
-one run, alternating: (1) batched with MTP (depth chosen by the measured
-policy), (2) batched plain (depth 0), (3) sequentially, one request at a time,
-with single-stream MTP. Each batched mode first runs once untimed (tracing
-kernels for the batch shapes; the policy measuring its round costs, which a
-running server does once), then `--repeats` timed runs, the best reported. Prints aggregate and per-request tokens/s, acceptance
-per row, and ratios to single-stream plain decoding and to batched plain.
+one run, alternating: (1) batched with MTP (each row's depth chosen by the
+measured policy), (2) batched plain (depth 0), (3) sequentially, one request
+at a time, with single-stream MTP. Each batched mode first runs once untimed
+(tracing kernels for the batch shapes; the policy measuring its round costs,
+which a running server does once), then `--repeats` timed runs, the best
+reported. Prints aggregate and per-request tokens/s, acceptance per row, and
+ratios to single-stream plain decoding and to batched plain.
+
+Then two comparisons:
+- mixed depths: one request with `mtp_depth: 0` among three MTP requests; the
+  three MTP rows' throughput against the same rows decoded batched plain;
+- one stream through the unified round (this tree) against the single-sequence
+  path of `--baseline-rev` (default: the revision before the round was unified),
+  each in its own worker process, alternating requests; median of paired ratios.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ import mtp_serve  # noqa: F401  (backend set-up before mlx)
 
 import argparse
 import json
+import statistics
 import time
+from pathlib import Path
 
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.sampling import SamplingParams
@@ -37,11 +48,16 @@ PROMPTS = [
 ]
 
 
+BASELINE_REV = "dbc9a73"  # the last revision with separate single-sequence and batched rounds
+
+
 def run(lm, prompts, max_tokens, depth, policy, max_batch):
+    """`depth`: one for every request, or a list (one per request)."""
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=max_batch, prefill_chunk=512, policy=policy)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    depths = depth if isinstance(depth, list) else [depth] * len(prompts)
     for i, p in enumerate(prompts):
-        sched.add(i, p, params, depth)
+        sched.add(i, p, params, depths[i])
     first_token, done, tokens, stats = {}, {}, {i: [] for i in range(len(prompts))}, {}
     t0 = time.perf_counter()
     while sched.has_work():
@@ -58,8 +74,51 @@ def run(lm, prompts, max_tokens, depth, policy, max_batch):
         "tokens": tokens,
         "aggregate_tok_s": n / wall,
         "per_request_tok_s": sum(per_req) / len(per_req) if per_req else 0.0,
+        "row_tok_s": [len(tokens[k]) / (done[k] - first_token[k]) for k in sorted(tokens)],
         "acceptance_per_row": [stats[k]["acceptance_rate"] for k in sorted(stats)],
+        "drafted_per_row": [stats[k]["drafted"] for k in sorted(stats)],
     }
+
+
+def mixed_depths(lm, encode, max_tokens, depth, repeats):
+    """Three MTP rows beside one `mtp_depth: 0` row, against the same four rows batched plain."""
+    prompts = [encode(PROMPTS[i]) for i in range(4)]
+    depths = [depth, depth, depth, 0]
+    policy = DepthPolicy(max_depth=depth)
+    run(lm, prompts, max_tokens, depths, policy, 8)  # untimed: costs measured, shapes traced
+    run(lm, prompts, max_tokens, 0, DepthPolicy(max_depth=0), 8)
+    ratios, same, drafted = [], True, []
+    for _ in range(repeats):
+        mixed = run(lm, prompts, max_tokens, depths, policy, 8)
+        drafted.append(mixed["drafted_per_row"])
+        plain = run(lm, prompts, max_tokens, 0, DepthPolicy(max_depth=0), 8)
+        ratios.append(sum(mixed["row_tok_s"][:3]) / sum(plain["row_tok_s"][:3]))
+        same &= mixed["tokens"] == plain["tokens"]
+    return {"mtp_rows_vs_batched_plain": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
+            "drafted_per_row": drafted[-1], "identical": same}
+
+
+def unified_vs_baseline(model_path, encode, max_tokens, depth, rev, repeats):
+    """One stream: this tree's round (a batch of one) against `rev`'s single-sequence round."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from revisions import RevisionWorker
+
+    prompts = [encode(p) for p in PROMPTS]
+    ratios, same = [], True
+    with RevisionWorker(rev, model_path) as old, RevisionWorker(None, model_path) as new:
+        for w in (old, new):  # warm up: kernels traced, caches allocated
+            w.decode(prompts[0], 32, depth)
+        for r in range(repeats):
+            for i, p in enumerate(prompts):
+                pair = (old, new) if (r + i) % 2 == 0 else (new, old)  # alternate which side goes first
+                res = {w: w.decode(p, max_tokens, depth) for w in pair}
+                speed = {w: res[w]["generated"] / res[w]["decode_s"] for w in pair}
+                ratios.append(speed[new] / speed[old])
+                same &= res[old]["tokens"] == res[new]["tokens"]
+    return {"baseline_rev": rev, "unified_vs_baseline": round(statistics.median(ratios), 3), "pairs": len(ratios),
+            "min": round(min(ratios), 3), "max": round(max(ratios), 3), "identical": same}
 
 
 def sequential(lm, prompts, max_tokens, depth):
@@ -81,10 +140,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=None, help="max drafts (default: model card)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per mode; the best is reported")
+    ap.add_argument("--baseline-rev", default=BASELINE_REV, help="revision whose single-sequence round B=1 is compared with")
+    ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     lm = load_model(args.model or default_model_path())
+    from mtp_serve.engine.warmup import calibrate_blas_threads
+
+    calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
     depth = args.depth or lm.card.default_mtp_depth
     encode = lambda s: lm.tokenizer.encode(s)  # noqa: E731
     print(f"model {lm.path}  depth<={depth}  max_tokens {args.max_tokens}  {mtp_serve.BACKEND.note}")
@@ -126,9 +190,20 @@ def main() -> None:
         print(f"{r['concurrency']:>4} {r['batched_mtp_tok_s']:>12} {r['batched_plain_tok_s']:>14} {r['sequential_mtp_tok_s']:>9} "
               f"{r['mtp_vs_batched_plain']:>15}x {r['mtp_vs_single_plain']:>16}x {str(r['greedy_outputs_identical']):>9}  {r['acceptance_per_row']}")
     print("policy:", json.dumps(policy.summary()))
+    mixed = mixed_depths(lm, encode, args.max_tokens, depth, args.repeats + 1)
+    print(f"\nmixed depths (3 MTP rows + 1 row at mtp_depth 0): MTP rows {mixed['mtp_rows_vs_batched_plain']}x "
+          f"the same rows batched plain (runs: {mixed['ratios']}); drafted per row {mixed['drafted_per_row']}; "
+          f"outputs identical: {mixed['identical']}")
+    baseline = None
+    if not args.skip_baseline:
+        baseline = unified_vs_baseline(str(lm.path), encode, args.max_tokens, depth, args.baseline_rev, args.repeats)
+        print(f"one stream, depth {depth}: unified round {baseline['unified_vs_baseline']}x the single-sequence round of "
+              f"{baseline['baseline_rev']} (median of {baseline['pairs']} paired ratios, min {baseline['min']}, "
+              f"max {baseline['max']}); outputs identical: {baseline['identical']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"single_plain_tok_s": base_plain, "rows": rows, "policy": policy.summary()}, f, indent=1)
+            json.dump({"single_plain_tok_s": base_plain, "rows": rows, "policy": policy.summary(), "mixed": mixed,
+                       "unified_vs_baseline": baseline}, f, indent=1)
 
 
 if __name__ == "__main__":

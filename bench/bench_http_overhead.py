@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import mtp_serve  # noqa: F401  (before mlx)
+from common import stream_events
 
 
 def direct_run(lm, prompt, params, depth):
@@ -40,22 +41,15 @@ def direct_run(lm, prompt, params, depth):
 
 
 def http_run(base_url, prompt, max_tokens, depth):
-    import httpx
-
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "mtp_depth": depth}
     t0 = time.perf_counter()
     times, n = [], 0
-    with httpx.stream("POST", base_url + "/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                times.append(time.perf_counter())
-            if event.get("usage"):
-                n = event["usage"]["completion_tokens"]
+    for event in stream_events(base_url + "/completions", body):
+        if event["choices"] and event["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if event.get("usage"):
+            n = event["usage"]["completion_tokens"]
     return n, times[0] - t0, times[-1] - times[0]
 
 

@@ -69,9 +69,9 @@ def measure(model, prompt: list[int], new_tokens: int) -> dict:
     pending_d2 = None  # (depth-2 draft, whether its draft 1 was accepted)
     for _ in range(new_tokens):
         head_h, dl = model.draft(h_last, tok[:, None], head_cache)
-        d1 = mx.argmax(dl[:, -1], axis=-1)
+        d1 = model.draft_argmax(dl[:, -1])
         _, dl2 = model.draft(head_h, d1[:, None], head_cache)  # chained step (speculative entry)
-        d2 = mx.argmax(dl2[:, -1], axis=-1)
+        d2 = model.draft_argmax(dl2[:, -1])
         head_cache.trim(1)
         H, logits = model.forward(tok[:, None], cache)
         nxt = mx.argmax(logits[:, -1], axis=-1)

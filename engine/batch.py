@@ -1,11 +1,14 @@
-"""Sequences decoding together: their caches merged along the batch axis.
+"""The running rows and the caches they decode with, for 1..B rows.
 
+One row keeps its own single-sequence caches (mlx-lm's KVCache: no masks, no
+per-row bookkeeping, the fastest form for one stream). From two rows on, the
+caches are merged along the batch axis: attention KV in `RollbackBatchKVCache`
+(each row drops its own rejected tail as masked holes, nothing is copied),
+GatedDeltaNet state stacked per row, the MTP head's KV batched the same way.
 Rows join (prefilled alone, then merged) and leave (filtered out) between
-rounds. Each row keeps its own acceptance: after a batched verify, the
-GatedDeltaNet state is selected per row, and each row's attention KV drops
-its own rejected tail (`RollbackBatchKVCache.trim_rows`: the dropped entries
-become masked holes, nothing is copied). The MTP head's cache is batched the
-same way.
+rounds; when the batch shrinks to one row, that row's caches are squeezed back
+to the single form. The round code (`speculative.py`) is the same for both
+forms: the cache operations it uses accept either.
 """
 
 from __future__ import annotations
@@ -13,99 +16,80 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 import mlx.core as mx
+
 from mtp_serve.models.caches import RollbackBatchKVCache, SpeculativeGDNCache
 
-from .sequence import Sequence
+from .sequence import RowCaches, Sequence, Status
 
 
-def _merge_gdn(caches: List[SpeculativeGDNCache]) -> SpeculativeGDNCache:
-    merged = SpeculativeGDNCache()
-    merged.cache = [mx.concatenate([c[i] for c in caches], axis=0) for i in range(2)]
-    return merged
+def _merge_layer(caches: List[Any]) -> Any:
+    if isinstance(caches[0], SpeculativeGDNCache):
+        merged = SpeculativeGDNCache()
+        merged.cache = [mx.concatenate([c[i] for c in caches], axis=0) for i in range(2)]
+        return merged
+    return RollbackBatchKVCache.merge(caches)
 
 
-def merge_caches(per_row: List[List[Any]]) -> List[Any]:
-    """Single-sequence caches (one list per row) -> batched caches."""
-    out = []
-    for layer_caches in zip(*per_row):
-        if isinstance(layer_caches[0], SpeculativeGDNCache):
-            out.append(_merge_gdn(list(layer_caches)))
-        else:
-            out.append(RollbackBatchKVCache.merge(list(layer_caches)))
-    return out
+def _merge(rows: List[RowCaches]) -> RowCaches:
+    backbone = [_merge_layer(list(layer)) for layer in zip(*(r.backbone for r in rows))]
+    head = _merge_layer([r.head for r in rows]) if rows[0].head is not None else None
+    return RowCaches(backbone, head)
 
 
-def extend_caches(batch: List[Any], other: List[Any]) -> None:
-    for a, b in zip(batch, other):
-        a.extend(b)
-
-
-def filter_caches(batch: List[Any], keep: List[int]) -> None:
-    idx = mx.array(keep)
-    for c in batch:
-        c.filter(idx)
-
-
-def extract_caches(batch: List[Any], i: int) -> List[Any]:
-    return [c.extract(i) for c in batch]
-
-
-def trim_rows(batch: List[Any], rejected: List[int]) -> None:
-    """Drop `rejected[i]` trailing KV entries of row i (attention caches only)."""
-    if max(rejected) == 0:
-        return
-    for c in batch:
-        if isinstance(c, RollbackBatchKVCache):
-            c.trim_rows(rejected)
+def _extract(caches: RowCaches, i: int) -> RowCaches:
+    return RowCaches([c.extract(i) for c in caches.backbone], caches.head.extract(i) if caches.head is not None else None)
 
 
 class Batch:
-    """The rows of a batched decode and their batched caches."""
-
-    def __init__(self, seqs: List[Sequence]):
-        self.seqs: List[Sequence] = []
-        self.cache: Optional[List[Any]] = None
-        self.head_cache: Optional[List[Any]] = None  # one-element list, like `cache`
-        for s in seqs:
-            self.add(s)
+    def __init__(self) -> None:
+        self.rows: List[Sequence] = []
+        self.caches: Optional[RowCaches] = None  # single form (1 row) or merged (2+ rows)
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.rows)
 
     @property
-    def uses_mtp(self) -> bool:
-        return self.head_cache is not None
+    def cache(self) -> List[Any]:
+        return self.caches.backbone
+
+    @property
+    def head_cache(self) -> Optional[Any]:
+        return self.caches.head
 
     def add(self, seq: Sequence) -> None:
-        """Take over a prefilled sequence's caches."""
-        cache = merge_caches([seq.cache])
-        head = merge_caches([[seq.head_cache]]) if seq.head_cache is not None else None
-        if self.cache is None:
-            self.cache, self.head_cache = cache, head
+        """A prefilled sequence joins; the batch owns its caches from now on."""
+        caches = seq.take_caches()
+        if not self.rows:
+            self.caches = caches
+        elif len(self.rows) == 1:
+            self.caches = _merge([self.caches, caches])
         else:
-            extend_caches(self.cache, cache)
-            if self.head_cache is not None and head is not None:
-                extend_caches(self.head_cache, head)
-            else:
-                self.head_cache = None
-        seq.cache = seq.head_cache = None  # the batch owns them now
-        self.seqs.append(seq)
+            new = _merge([caches])
+            for a, b in zip(self.caches.backbone, new.backbone):
+                a.extend(b)
+            if new.head is not None:
+                self.caches.head.extend(new.head)
+        seq.status = Status.RUNNING
+        self.rows.append(seq)
 
-    def remove(self, seqs: List[Sequence]) -> None:
-        keep = [i for i, s in enumerate(self.seqs) if s not in seqs]
-        if not keep:
-            self.seqs, self.cache, self.head_cache = [], None, None
-            return
-        filter_caches(self.cache, keep)
-        if self.head_cache is not None:
-            filter_caches(self.head_cache, keep)
-        self.seqs = [self.seqs[i] for i in keep]
+    def row_caches(self, seq: Sequence) -> RowCaches:
+        """A row's caches as single-sequence caches (a copy when merged; the
+        live ones in the single form: take a snapshot before the next round)."""
+        if len(self.rows) == 1:
+            return self.caches
+        return _extract(self.caches, self.rows.index(seq))
 
-    def release(self, seq: Sequence) -> Sequence:
-        """Hand a row back to single-sequence decoding with its own caches."""
-        i = self.seqs.index(seq)
-        seq.cache = extract_caches(self.cache, i)
-        if self.head_cache is not None:
-            seq.head_cache = self.head_cache[0].extract(i)
-        self.remove([seq])
-        return seq
+    def remove(self, seq: Sequence) -> None:
+        """A row leaves; its caches are dropped."""
+        i = self.rows.index(seq)
+        self.rows.pop(i)
+        if not self.rows:
+            self.caches = None
+        elif len(self.rows) == 1:
+            self.caches = _extract(self.caches, 1 - i)  # back to the single form
+        else:
+            keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
+            for c in self.caches.backbone:
+                c.filter(keep)
+            if self.caches.head is not None:
+                self.caches.head.filter(keep)

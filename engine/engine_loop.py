@@ -6,8 +6,9 @@
     async for chunk in handle: ...                       # GenerationChunk, as rounds commit
     engine.cancel(handle)                                # e.g. the client went away
 
-Requests wait in a bounded queue (`QueueFull` when it is full) and join the
-`Scheduler` between turns (up to `max_active` at once). One turn is one
+Requests wait in a bounded queue (`QueueFull` when more than `max_queue` wait
+beyond the free batch slots) and join the `Scheduler` between turns (up to
+`max_active` at once). One turn is one
 scheduler step: a prefill chunk of the oldest newcomer and one decode round
 for the running rows (the single-sequence MTP round, or a batched round with
 per-row acceptance when several run). The loop only admits, cancels and
@@ -17,7 +18,8 @@ Delivery: each committed chunk goes to the request's asyncio queue through
 `loop.call_soon_threadsafe`, so the asyncio side never waits on MLX. An
 exception in one request ends that request with an `EngineError` item and
 never stops the loop. A cancelled request is dropped at the start of the next
-turn, so its slot is free within one round.
+turn, so its slot is free within one round. When the last request is done, the
+loop hands MLX's buffer cache and the heap's free pages back (`memory.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
+from .memory import release_idle_memory
+from .policy import DepthPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -95,6 +99,7 @@ class EngineLoop:
         max_active: int = 8,
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
+        policy: Optional[DepthPolicy] = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -102,7 +107,7 @@ class EngineLoop:
         self.max_active = max_active
         self.prompt_cache = prompt_cache
         self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
-                                   prompt_cache=prompt_cache)
+                                   prompt_cache=prompt_cache, policy=policy)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
         self._cond = threading.Condition()
@@ -110,6 +115,7 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._running = False
         self.turns = 0  # completed turns, for tests and metrics
+        self._idle_after = 0  # `turns` when memory was last released
 
     # -- asyncio side
 
@@ -122,11 +128,15 @@ class EngineLoop:
         with self._cond:
             if not self._running:
                 raise EngineStopped("the engine is not running")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+            if self._queued() >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting for a slot)")
             self._waiting.append(handle)
             self._cond.notify()
         return handle
+
+    def check_constraint(self, constraint) -> None:
+        """Compile an output constraint (GrammarError when it cannot be); from any thread."""
+        self.scheduler.grammar_compiler().check(constraint)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request: freed at the start of the next turn (or now, if still waiting)."""
@@ -138,6 +148,13 @@ class EngineLoop:
                 self._waiting.remove(handle)
                 self._finish(handle, None)
             self._cond.notify()
+
+    def _queued(self) -> int:
+        """Requests waiting beyond the free batch slots (the ones `max_queue` bounds): requests
+        that arrive within one engine step all wait for admission, but while slots are free
+        they are not queued."""
+        free = max(0, self.max_active - len(self._active))
+        return max(0, len(self._waiting) - free)
 
     @property
     def queue_depth(self) -> int:
@@ -168,11 +185,18 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()  # the disk tier's writes in flight
 
     # -- engine thread
 
     def _run(self) -> None:
         while True:
+            with self._cond:
+                idle = self._running and not self._waiting and not self._active
+            if idle and self.turns != self._idle_after:
+                release_idle_memory()  # a burst is over: its buffers go back to the OS
+                self._idle_after = self.turns
             with self._cond:
                 while self._running and not self._waiting and not self._active:
                     self._cond.wait()
@@ -223,8 +247,8 @@ class EngineLoop:
                     self._retire(handle, None)
         except Exception as e:  # noqa: BLE001 - the step failed as a whole: fail its requests, keep looping
             log.exception("engine step failed")
+            self.scheduler.drop_all()
             for handle in list(self._active.values()):
-                self.scheduler.cancel(handle.id)
                 self._retire(handle, EngineError(f"{type(e).__name__}: {e}"))
 
     def _retire(self, handle: RequestHandle, error: Optional[BaseException]) -> None:

@@ -1,15 +1,21 @@
-"""How deep batched rounds draft, chosen from costs measured on this machine.
+"""How many tokens each row drafts, from costs measured on this machine and each
+row's own acceptance.
 
-A round with K drafts over B rows costs t(B, K) (K head steps plus one
-verify of K+1 tokens per row) and yields, per row, 1 + a1 + a1*a2 + ... +
-a1*..*aK tokens in expectation, where a_j is the observed acceptance at draft
-position j. The policy picks the K that maximizes B * E[tokens] / t(B, K),
-K = 0 (plain batched decoding) included, so drafting is used only where it
-pays. Round times are measured on the running machine (exponential moving
-averages per batch-size bucket and K); each (bucket, K) is tried a few times
-before the estimates are trusted (its first round, which pays for allocation
-and kernel compilation, is not counted), and every depth is re-measured now
-and then so an estimate cannot go stale.
+A round over B rows whose longest row drafts K costs t(B, K) (K head steps and
+one verify of K+1 tokens per row, padding included), measured on the running
+machine: moving averages per batch-size bucket and K. A row with conditional
+acceptances a_1, a_2, ... (its own, per draft position) emits on average
+E(K) = 1 + a_1 + a_1 a_2 + ... tokens per round at depth K.
+
+Each row prefers the depth that would maximise its own tokens per second,
+E(K) / t(B, K), K = 0 included. The round's window is the longest preference.
+Rows draft up to it (the window is paid for anyway) unless their drafts
+practically never land: those stay at 0, so they never drag their neighbours
+down, and re-probe now and then so they recover when their acceptance returns. Every K is tried a few times per bucket before its cost is
+trusted (its first round, which pays for allocation and kernel tracing, is not
+counted), and a depth not chosen for a while is measured again.
+
+One policy serves one row and many: a single stream is a batch of one.
 """
 
 from __future__ import annotations
@@ -17,10 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-EMA = 0.2
-PROBES = 2  # measured rounds per (bucket, K) before its estimate is used
+from .sequence import Sequence, ema_update
+
+COST_EMA = 0.2
+ROW_EMA = 0.15  # weight of one round in a row's acceptance estimate
+PROBE_WEIGHT = 0.5  # ... and of a re-probe after a row sat at depth 0
+PRIOR_EMA = 0.05  # weight of one row's round in the model-wide acceptance
+PROBES = 2  # measured rounds per (bucket, K) before its cost is used
 REPROBE_EVERY = 64  # rounds of a bucket after which an unchosen depth is measured again
-PRIOR_ACCEPTANCE = 0.5
+ROW_REPROBE_EVERY = 16  # rounds a row stays at depth 0 before it drafts once more (doubling after each failure)
+PRIOR_ACCEPTANCE = 0.5  # per position, before anything was observed
+RIDE_MIN_ACCEPTANCE = 0.1  # a row below this first-draft acceptance stays out of an open window
 
 
 def batch_bucket(b: int) -> int:
@@ -33,59 +46,88 @@ def batch_bucket(b: int) -> int:
 
 @dataclass
 class DepthPolicy:
-    max_depth: int = 3
-    fixed: bool = False  # always draft max_depth (tests, benchmarks)
+    max_depth: int = 2  # the server's --mtp-depth: no row drafts more
+    fixed: bool = False  # every row drafts its cap (tests, benchmarks)
     round_time: Dict[Tuple[int, int], float] = field(default_factory=dict)
     samples: Dict[Tuple[int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
     last_round: Dict[Tuple[int, int], int] = field(default_factory=dict)  # bucket round count when last run
     rounds: Dict[int, int] = field(default_factory=dict)  # rounds per bucket
-    accepted: List[float] = field(default_factory=list)  # per draft position, EMA of acceptance
+    prior: List[float] = field(default_factory=list)  # model-wide acceptance per position: new rows start here
 
-    def acceptance(self, j: int) -> float:
-        return self.accepted[j] if j < len(self.accepted) else PRIOR_ACCEPTANCE
+    def cap(self, seq: Sequence) -> int:
+        return max(0, min(seq.max_depth, self.max_depth))
 
-    def expected_tokens(self, K: int) -> float:
-        total, run = 1.0, 1.0
-        for j in range(K):
-            run *= self.acceptance(j)
-            total += run
-        return total
-
-    def choose(self, batch_size: int, limit: int) -> int:
-        """Depth for the next batched round; `limit` caps it (the rows' own depths)."""
-        top = min(self.max_depth, limit)
-        if self.fixed or top <= 0:
-            return max(top, 0)
-        bucket = batch_bucket(batch_size)
+    def depths(self, rows: List[Sequence]) -> List[int]:
+        """Drafts per row for the next round."""
+        caps = [self.cap(s) for s in rows]
+        top = max(caps)
+        if self.fixed or top == 0:
+            return caps
+        bucket = batch_bucket(len(rows))
+        for K in range(top + 1):  # costs not measured yet: every row takes part
+            if self.samples.get((bucket, K), 0) < PROBES + 1:
+                return [min(c, K) for c in caps]
+        prefs = [self.preferred(s, c, bucket) for s, c in zip(rows, caps)]
+        open_ = any(prefs)
+        wants = [p > 0 or (c > 0 and (open_ and self._rides(s) or self._probe_due(s, open_)))
+                 for s, c, p in zip(rows, caps, prefs)]
+        window = max(max(prefs), 1)
         now = self.rounds.get(bucket, 0)
-        for K in range(top + 1):  # explore before exploiting, and re-measure stale depths
-            if self.samples.get((bucket, K), 0) < PROBES + 1 or now - self.last_round[(bucket, K)] > REPROBE_EVERY:
-                return K
-        return max(range(top + 1), key=lambda K: self.expected_tokens(K) / self.round_time[(bucket, K)])
+        stale = [K for K in range(top + 1) if now - self.last_round.get((bucket, K), 0) > REPROBE_EVERY]
+        if stale:  # measure an old cost estimate again (with the rows that draft anyway)
+            if stale[0] == 0:
+                return [0] * len(rows)
+            if any(wants):
+                window = stale[0]
+        return [min(c, window) if w else 0 for c, w in zip(caps, wants)]
 
-    def observe(self, batch_size: int, K: int, seconds: float, accepted_per_position: List[Tuple[int, int]]) -> None:
-        """Record a round: its wall time, and (accepted, drafted) counts per draft position."""
-        bucket = batch_bucket(batch_size)
+    def _rides(self, seq: Sequence) -> bool:
+        """Once another row opened the window, its padding positions are computed anyway:
+        a row drafts into them unless its drafts practically never land."""
+        return seq.acceptance.expected_tokens(1, self.prior_at(0)) - 1 >= RIDE_MIN_ACCEPTANCE
+
+    @staticmethod
+    def _probe_due(seq: Sequence, window_open: bool) -> bool:
+        """An idle row drafts again to re-measure itself: cheaply when other rows draft
+        anyway; when its draft would open the window alone, less often after each failure."""
+        a = seq.acceptance
+        return a.idle_rounds >= (ROW_REPROBE_EVERY if window_open else ROW_REPROBE_EVERY << min(a.failed_probes, 4))
+
+    def preferred(self, seq: Sequence, cap: int, bucket: int) -> int:
+        """The depth that maximises this row's own tokens per second at this batch size."""
+        return max(range(cap + 1), key=lambda K: self.expected_tokens(seq, K) / self.round_time[(bucket, K)])
+
+    def expected_tokens(self, seq: Sequence, K: int) -> float:
+        return seq.acceptance.expected_tokens(K, self.prior_at(K))
+
+    def prior_at(self, j: int) -> float:
+        return self.prior[j] if j < len(self.prior) else PRIOR_ACCEPTANCE
+
+    def start_rates(self) -> List[float]:
+        """Acceptance a new row starts from: what rows of this model showed so far."""
+        return list(self.prior)
+
+    def observe(self, rows: List[Sequence], depths: List[int], accepted: List[int], seconds: float) -> None:
+        """Record a round: its wall time, and each row's drafts accepted."""
+        K = max(depths)
+        bucket = batch_bucket(len(rows))
         key = (bucket, K)
         n = self.samples.get(key, 0)
         if n == 1:  # the first measured round (round 0 was the warm-up)
             self.round_time[key] = seconds
         elif n > 1:
-            self.round_time[key] = (1 - EMA) * self.round_time[key] + EMA * seconds
+            self.round_time[key] += COST_EMA * (seconds - self.round_time[key])
         self.samples[key] = n + 1
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self.last_round[key] = self.rounds[bucket]
-        for j, (acc, drafted) in enumerate(accepted_per_position):
-            if drafted == 0:
-                continue
-            rate = acc / drafted
-            if j < len(self.accepted):
-                self.accepted[j] = (1 - EMA) * self.accepted[j] + EMA * rate
-            else:
-                self.accepted.append(rate)
+        for s, d, m in zip(rows, depths, accepted):
+            # A re-probe after an idle stretch counts for more: a row recovers in one round.
+            weight = PROBE_WEIGHT if s.acceptance.idle_rounds >= ROW_REPROBE_EVERY else ROW_EMA
+            s.acceptance.observe(d, m, weight, self.prior_at)
+            ema_update(self.prior, d, m, PRIOR_EMA, lambda j: PRIOR_ACCEPTANCE)
 
     def summary(self) -> dict:
         return {
-            "acceptance_per_position": [round(a, 3) for a in self.accepted],
+            "acceptance_per_position": [round(a, 3) for a in self.prior],
             "round_ms": {f"B{b}/K{k}": round(t * 1e3, 2) for (b, k), t in sorted(self.round_time.items())},
         }

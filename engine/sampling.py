@@ -4,6 +4,17 @@ Exactness of speculative sampling needs the draft distribution q and the
 target distribution p to come from the same pipeline the plain sampler uses:
 penalties (with the drafted prefix counted in the history), temperature,
 top-k, top-p, min-p. The filters are mlx-lm's own.
+
+How a token is drawn from a row of log-probabilities, by request:
+- greedy: the argmax;
+- seeded (`seed` given): argmax(log p + g), with g Gumbel noise that is a pure
+  function of (seed, output position) (Gumbel-max: an exact draw from p). The
+  token at a position then depends only on the seed and the distribution there,
+  never on how rounds were cut, what shared the batch, or whether MTP was on:
+  a seeded request is reproducible everywhere. Drafts use the same noise, and
+  verification accepts a draft when the target draw with that noise equals it;
+- unseeded: a categorical draw from a per-request key stream, and rejection
+  sampling for drafts (higher acceptance than the coupling above).
 """
 
 from __future__ import annotations
@@ -13,7 +24,16 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mtp_serve.models.mlx_lm_compat import apply_min_p, apply_top_k, apply_top_p
+
+from .grammar import Constraint, apply_mask
+
+
+# Temperatures below this decode greedily (as vLLM does): dividing fp32 logits by a
+# smaller one overflows to inf, and the pipeline would return NaN.
+GREEDY_BELOW = 1e-5
+# Repetition penalties outside this range overflow fp32 logits the same way.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -31,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
+    constraint: Optional[Constraint] = None  # a grammar the output must match (engine/grammar.py)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -41,27 +62,48 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}]")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-class Rng:
-    """A per-request stream of PRNG keys: a fixed seed gives a reproducible run."""
+MASK64 = (1 << 64) - 1
 
-    def __init__(self, seed: Optional[int]):
-        if seed is None:
-            seed = int.from_bytes(os.urandom(4), "little")
-        self._key = mx.random.key(seed)
+
+def position_key(seed: int, position: int) -> mx.array:
+    """A PRNG key per (seed, output position): splitmix64 of both, so nearby seeds
+    and positions give unrelated keys."""
+    z = ((seed & MASK64) * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return mx.random.key(z ^ (z >> 31))
+
+
+def position_noise(seed: int, start: int, n: int, vocab: int) -> mx.array:
+    """Gumbel noise [n, V] for output positions start .. start+n-1 of a seeded request."""
+    return mx.stack([mx.random.gumbel((vocab,), key=position_key(seed, start + i)) for i in range(n)])
+
+
+def coupled(params: "SamplingParams") -> bool:
+    """Seeded sampling: tokens drawn with per-position noise (see the module doc)."""
+    return not params.greedy and params.seed is not None
+
+
+class Rng:
+    """A per-request stream of PRNG keys for unseeded sampling."""
+
+    def __init__(self):
+        self._key = mx.random.key(int.from_bytes(os.urandom(8), "little"))
 
     def next(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
@@ -115,7 +157,7 @@ def apply_penalties(logits: mx.array, params: SamplingParams, history: TokenHist
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Temperature, then top-k, top-p, min-p; returns normalized log-probabilities [T, V]."""
-    logprobs = (logits / params.temperature) if params.temperature > 0 else logits
+    logprobs = logits / params.temperature if not params.greedy else logits
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     vocab = logprobs.shape[-1]
     if 0 < params.top_k < vocab:
@@ -128,15 +170,17 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def target_logprobs(
-    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None
+    logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array] = None,
+    allowed: Optional[mx.array] = None,
 ) -> mx.array:
     """The full pipeline over logits [T, V] (fp32): what the sampler draws from.
+    `allowed` [T, V] (a grammar's masks) removes tokens first.
 
     Greedy requests get the (penalized) logits unnormalized: the argmax is all
     they need, and filters never remove the argmax. `normalize` them to report
     log-probabilities.
     """
-    logits = logits.astype(mx.float32)
+    logits = apply_mask(logits.astype(mx.float32), allowed)
     if params.has_penalties:
         logits = apply_penalties(logits, params, history, appended)
     if params.greedy:
@@ -148,8 +192,11 @@ def normalize(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def choose(logprobs: mx.array, params: SamplingParams, rng: Rng) -> mx.array:
-    """One token per row: argmax when greedy, else a draw from the distribution."""
+def choose(logprobs: mx.array, params: SamplingParams, rng: Rng, noise: Optional[mx.array] = None) -> mx.array:
+    """One token per row: argmax when greedy, argmax(log p + noise) for a seeded
+    request (its position noise), else a draw from the distribution."""
     if params.greedy:
         return mx.argmax(logprobs, axis=-1)
+    if noise is not None:
+        return mx.argmax(logprobs + noise, axis=-1)
     return mx.random.categorical(logprobs, key=rng.next())

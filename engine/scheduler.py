@@ -1,45 +1,38 @@
-"""What runs in each engine step: continuous batching with per-sequence MTP.
+"""What runs in each engine step: continuous batching with per-row MTP depth.
 
     sched = Scheduler(model, tokenizer, max_batch_size=8)
-    sched.add(key, prompt_ids, params, depth)
+    sched.add(key, prompt_ids, params, max_depth)
     while sched.has_work():
-        for key, chunk in sched.step(): ...      # GenerationChunk per request
+        for key, chunk in sched.step(): ...      # GenerationChunk (or an exception) per request
 
 A step runs one prefill chunk of the oldest newcomer (so a long prompt never
-stalls running streams for more than one chunk) and then one decode round
-for the running rows: the single-sequence MTP round when one row runs, a
-batched round (depth from `DepthPolicy`) when several do. Rows move between
-the two paths with their caches and owed head pairs intact, so switching
-neither loses nor repeats a token. Rows join after their prefill and leave
-when done or cancelled.
+stalls running streams for more than one chunk) and then one speculative round
+over the running rows, each row drafting its own depth (`DepthPolicy`). One
+row is a batch of one: the same round, the same policy. Rows join after their
+prefill and leave when done or cancelled.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
 
-from .batch import Batch, extract_caches
-from .generator import GenerationChunk, token_logprobs
+from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+
+from .batch import Batch
+from .grammar import GrammarCompiler
 from .policy import DepthPolicy
-from .prompt_cache import PromptCache, checkpoint_saver, sequence_snapshot, take_snapshot
+from .prefill import prefill
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
-from .sequence import Sequence, new_sequence
-from .speculative import Emitted, batched_round, mtp_round, plain_step, prefill
-from .stopping import StopChecker
+from .sequence import Sequence, Status, new_sequence
+from .speculative import run_round
 
-
-@dataclass(eq=False)
-class Row:
-    key: Hashable
-    seq: Sequence
-    stops: StopChecker
-    started: float
-    cancelled: bool = False
+log = logging.getLogger("mtp_serve.engine")
 
 
 class Scheduler:
@@ -59,31 +52,41 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache
         self.policy = policy or DepthPolicy()
-        self.prefilling: Deque[Row] = deque()
-        self.running: List[Row] = []  # in join order
-        self.batch: Optional[Batch] = None  # owns the caches when len(running) > 1
-        self.rows: Dict[Hashable, Row] = {}
-        self.last_round: Tuple[int, int, List[int]] = (0, 0, [])  # (batch size, K, accepted per row)
+        self.prefilling: Deque[Sequence] = deque()
+        self.batch = Batch()  # the running rows, in join order
+        self.seqs: Dict[Hashable, Sequence] = {}
+        self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (drafted, accepted) in the last round
+        self._grammars: Optional[GrammarCompiler] = None
 
     # -- requests
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, depth: int, checkpoints: tuple = ()) -> None:
-        seq = new_sequence(self.model, prompt, params, depth, self.prompt_cache, checkpoints)
-        row = Row(key, seq, StopChecker(self.tokenizer, params), time.perf_counter())
-        self.rows[key] = row
-        self.prefilling.append(row)
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
+        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
+        if self.prompt_cache is not None:
+            checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
+        grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
+        seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
+                           prior_acceptance=self.policy.start_rates(), grammar=grammar)
+        self.seqs[key] = seq
+        self.prefilling.append(seq)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles constraints for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(hf_tokenizer(self.tokenizer), self.model.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
 
     def cancel(self, key: Hashable) -> None:
-        row = self.rows.get(key)
-        if row is not None:
-            row.cancelled = True
+        seq = self.seqs.get(key)
+        if seq is not None and not seq.finished:
+            seq.status = Status.CANCELLED
 
     def has_work(self) -> bool:
-        return bool(self.prefilling or self.running)
+        return bool(self.prefilling or self.batch.rows)
 
     @property
     def active(self) -> int:
-        return len(self.prefilling) + len(self.running)
+        return len(self.prefilling) + len(self.batch)
 
     # -- one step
 
@@ -92,102 +95,99 @@ class Scheduler:
         each as soon as it is ready: a finished prefill's first token comes before the
         running rows' round (which the new row then joins)."""
         self._drop_cancelled()
-        if self.prefilling and len(self.running) < self.max_batch_size:
-            row = self.prefilling[0]
-            try:
-                emitted = prefill(self.model, row.seq, self.prefill_chunk, checkpoint_saver(self.prompt_cache))
-            except Exception as e:  # noqa: BLE001 - reported to this request only
-                self._forget(self.prefilling.popleft())
-                yield row.key, e
-                emitted = None
-            if emitted is not None:
-                self.prefilling.popleft()
-                row.seq.stats.prefill_s = time.perf_counter() - row.started
-                row.started = time.perf_counter()
-                yield self._deliver(row, emitted)
-                if self.prompt_cache is not None:
-                    self.prompt_cache.store(sequence_snapshot(row.seq, row.seq.prompt))
-                if not row.stops.finish_reason:
-                    self._join(row)
-        if self.running:
-            yield from self._decode_round()
+        if self.prefilling and len(self.batch) < self.max_batch_size:
+            yield from self._prefill_step(self.prefilling[0])
+        if self.batch.rows:
+            yield from self._round()
 
     # -- internals
 
-    def _decode_round(self) -> List[Tuple[Hashable, Any]]:
-        rows = list(self.running)
+    def _prefill_step(self, seq: Sequence) -> Iterator[Tuple[Hashable, Any]]:
+        try:
+            if self.prompt_cache is not None and seq.prefilled == 0 and seq.cached_tokens == 0:
+                self._restore(seq)
+            emitted = prefill(self.model, seq, self.prefill_chunk, self._checkpoint if self.prompt_cache is not None else None)
+        except Exception as e:  # noqa: BLE001 - reported to this request only
+            self._forget(self.prefilling.popleft())
+            yield seq.key, e
+            return
+        if emitted is None:
+            return
+        self.prefilling.popleft()
+        yield seq.key, seq.apply(emitted)
+        self._store(seq, seq.prompt, seq.caches)
+        if seq.finished:
+            self._forget(seq)
+        else:
+            self.batch.add(seq)
+
+    def _round(self) -> List[Tuple[Hashable, Any]]:
+        rows = list(self.batch.rows)
         t0 = time.perf_counter()
         try:
-            if len(rows) == 1:
-                seq = rows[0].seq
-                results = [mtp_round(self.model, seq) if seq.uses_mtp else plain_step(self.model, seq)]
-                self.last_round = (1, seq.depth if seq.uses_mtp else 0, [len(results[0][0]) - 1])
-            else:
-                limit = min(r.seq.depth for r in rows) if self.batch.uses_mtp else 0
-                K = self.policy.choose(len(rows), limit)
-                results = batched_round(self.model, self.batch, K)
-                accepted = [len(toks) - 1 for toks, _ in results]
-                self.last_round = (len(rows), K, accepted)
-                per_pos = [(sum(1 for m in accepted if m > j), len(accepted)) for j in range(K)]
-                self.policy.observe(len(rows), K, time.perf_counter() - t0, per_pos)
-        except Exception as e:  # noqa: BLE001 - a broken round fails its rows, not the loop
-            for r in rows:
-                self._leave(r)
-            return [(r.key, e) for r in rows]
-        out = []
-        for row, emitted in zip(rows, results):
-            out.append(self._deliver(row, emitted))
-        for row in rows:
-            if row.stops.finish_reason:
-                self._leave(row, store=True)
+            depths = self.policy.depths(rows)
+            accepted = run_round(self.model, self.batch, depths)
+            elapsed = time.perf_counter() - t0
+            out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
+        except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
+            self._drop_batch()
+            return [(s.key, e) for s in rows]
+        self.policy.observe(rows, depths, accepted.counts, elapsed)
+        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
+        for s in rows:
+            if s.finished:
+                self._leave(s, store=True)
         return out
 
-    def _deliver(self, row: Row, emitted: Emitted) -> Tuple[Hashable, GenerationChunk]:
-        seq = row.seq
-        tokens, lp_rows = emitted
-        seq.committed += tokens
-        kept, text = row.stops.feed(tokens)
-        seq.output += kept
-        seq.history.add(kept)
-        seq.stats.generated_tokens += len(kept)
-        seq.stats.decode_s = time.perf_counter() - row.started
-        logprobs = token_logprobs(kept, lp_rows, seq.params.logprobs) if seq.params.logprobs is not None and kept else None
-        if row.stops.finish_reason:
-            self.rows.pop(row.key, None)
-        return row.key, GenerationChunk(kept, text, row.stops.finish_reason, seq.stats, logprobs)
+    def _drop_batch(self) -> None:
+        """Forget every running row and its caches: after a failed round they may hold
+        part of it, so nothing of the batch is reused."""
+        for s in self.batch.rows:
+            self._forget(s)
+        self.batch = Batch()
 
-    def _join(self, row: Row) -> None:
-        self.running.append(row)
-        if len(self.running) == 2:
-            self.batch = Batch([r.seq for r in self.running])
-        elif len(self.running) > 2:
-            self.batch.add(row.seq)
+    def drop_all(self) -> None:
+        """Forget every request (the engine failed them all after a step failed as a whole)."""
+        self._drop_batch()
+        for s in self.prefilling:
+            self._forget(s)
+        self.prefilling.clear()
 
-    def _leave(self, row: Row, store: bool = False) -> None:
-        if row not in self.running:
+    def _restore(self, seq: Sequence) -> None:
+        """Start from the longest stored prefix. Looked up when the prefill starts, not when
+        the request arrived: one that came in with others finds the snapshots their prefills
+        stored (the shared system prompt of agents started together)."""
+        try:
+            hit = self.prompt_cache.restore(seq.prompt, needs_head=seq.tracks_head)
+        except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
             return
-        seq = row.seq
-        if self.batch is not None:
-            if store and self.prompt_cache is not None:
-                i = self.batch.seqs.index(seq)
-                cache = extract_caches(self.batch.cache, i)
-                head = self.batch.head_cache[0].extract(i) if self.batch.head_cache is not None else None
-                self.prompt_cache.store(take_snapshot(seq.cache_tokens(), cache, head, seq.pending_hidden))
-            self.batch.remove([seq])
-        elif store and self.prompt_cache is not None:
-            self.prompt_cache.store(sequence_snapshot(seq, seq.cache_tokens()))
-        self.running.remove(row)
-        self.rows.pop(row.key, None)
-        if len(self.running) == 1 and self.batch is not None:
-            self.batch.release(self.running[0].seq)  # back to the single-sequence path
-            self.batch = None
+        if hit is not None:
+            seq.start_from(hit.n, hit.caches, hit.owed)
 
-    def _forget(self, row: Row) -> None:
-        self.rows.pop(row.key, None)
+    def _checkpoint(self, seq: Sequence, n: int) -> None:
+        self._store(seq, seq.prompt[:n], seq.caches)
+
+    def _store(self, seq: Sequence, tokens: List[int], caches) -> None:
+        if self.prompt_cache is None:
+            return
+        try:
+            self.prompt_cache.store(tokens, caches, seq.owed.hidden)
+        except Exception:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
+            log.exception("request %r: prompt-cache snapshot of %d tokens failed", seq.key, len(tokens))
+
+    def _leave(self, seq: Sequence, store: bool = False) -> None:
+        if store:
+            self._store(seq, seq.cache_tokens(), self.batch.row_caches(seq))
+        self.batch.remove(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.key, None)
 
     def _drop_cancelled(self) -> None:
-        for row in [r for r in self.prefilling if r.cancelled]:
-            self.prefilling.remove(row)
-            self._forget(row)
-        for row in [r for r in self.running if r.cancelled]:
-            self._leave(row)
+        for seq in [s for s in self.prefilling if s.status is Status.CANCELLED]:
+            self.prefilling.remove(seq)
+            self._forget(seq)
+        for seq in [s for s in self.batch.rows if s.status is Status.CANCELLED]:
+            self._leave(seq)

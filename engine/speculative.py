@@ -1,261 +1,286 @@
-"""Prefill, the plain decode step, and the MTP speculative round.
+"""The speculative round over the running batch (1..B rows), top to bottom:
 
-The round reads top to bottom: draft -> verify -> accept -> commit.
+    drafts   = draft(model, batch, depths)   # the MTP head proposes K_i tokens for row i
+    verified = verify(model, batch, drafts)  # one backbone pass over [x, d_1 .. d_W-1] per row
+    accepted = accept(verified, batch.rows)  # row i keeps m_i <= K_i drafts, plus one token
+    commit(batch, accepted)                  # each row's caches keep exactly what it kept
 
-State between rounds (single sequence): the backbone caches hold every
-committed token except `seq.primary` (x, the last emitted token); the head
-cache holds entries up to two positions before x, and `pending_*` hold the
-pairs (H[p], x[p+1]) whose head entries are still owed, the last of which is
-(H[x-1], x): running the head over them yields the first draft.
+The plain decode step is the same round with every depth 0 (a window of one
+token, nothing drafted, nothing to roll back).
+
+State between rounds, per row: the backbone caches hold every committed token
+except the primary x (the last emitted token, not yet forwarded); the head's
+cache holds entries up to two positions before x, and the row's owed pairs
+(H[p], x[p+1]) cover the rest (see `OwedPairs`): running the head over them
+yields the first draft.
+
+Per-row depth: row i drafts K_i tokens (0 .. its cap; `policy.py` chooses).
+The verify window is W = max K_i + 1 wide for every row. A row's positions
+past K_i + 1 are padding: drafted greedily (no randomness consumed), never
+accepted, and trimmed from its caches by the commit like any rejected draft.
+
+Exactness: greedy rows accept while the draft equals the target argmax; seeded
+rows the same over their position noise (the target draw argmax(log p + g) at
+each position, see `sampling.py`), so they emit exactly the tokens plain
+decoding draws with that seed; other sampled rows use rejection sampling
+against the draft distribution q (Leviathan et al.), so the emitted tokens
+have exactly the plain sampler's distribution. Both p and q come from the
+request's full sampling pipeline, with the drafted prefix counted by the
+penalties.
+
+Grammars: a constrained row's matcher is masked, position by position, with
+the state after the drafted prefix: the mask a draft is sampled under is the
+mask its verify position is scored under (computed once), so p and q stay the
+constrained plain sampler's; the matcher advances through the drafts and the
+commit rolls it back over the rejected ones.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional
 
 import mlx.core as mx
 
-from mtp_serve.models.caches import SpeculativeGDNCache, commit_verify, set_capture
+from mtp_serve.models.caches import keep_verified, set_capture, trim_per_row
 from mtp_serve.models.mtp_model import MTPModel
 
-from .batch import Batch, trim_rows
+from .batch import Batch
 from .rejection import accept_greedy, rejection_sample
-from .sampling import choose, target_logprobs
-from .sequence import Sequence
+from .sampling import choose, coupled, position_noise, target_logprobs
+from .sequence import Emitted, OwedPairs, Sequence
 
-# (emitted tokens, target log-probabilities rows for them [n, V] or None)
-Emitted = Tuple[List[int], Optional[mx.array]]
-
-PREFILL_CHUNK = 1024
+# Owed head pairs a row may pile up while it does not draft, before the head absorbs them.
 MAX_OWED_PAIRS = 32
 
 
-def prefill(
-    model: MTPModel,
-    seq: Sequence,
-    max_tokens: Optional[int] = None,
-    on_checkpoint: Optional[Callable[[Sequence, int], None]] = None,
-) -> Optional[Emitted]:
-    """Forward the next prompt tokens past those already in the caches.
-
-    With `max_tokens`, forwards at most that many (chunked prefill, resumable)
-    and returns None while prompt tokens remain; once the whole prompt is in,
-    samples and returns the first token. The head runs over the prompt as it
-    goes (its KV is warm for the first draft; only the last position's pair,
-    whose next token is not sampled yet, stays owed). `on_checkpoint(seq, n)`
-    is called when the caches hold exactly the first n prompt tokens, for each
-    n in `seq.checkpoints` (a chunk ends there).
-    """
-    start = seq.cached_tokens + seq.prefilled
-    end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), start + max_tokens)
-    stops = sorted({n for n in seq.checkpoints if start < n < end} | {end})
-    i = start
-    for stop in stops:
-        for j in range(i, stop, PREFILL_CHUNK):
-            k = min(stop, j + PREFILL_CHUNK)
-            hidden, logits = model.forward(mx.array([seq.prompt[j:k]]), seq.cache)
-            if seq.tracks_head:
-                seq.pending_hidden = hidden if seq.pending_hidden is None else mx.concatenate([seq.pending_hidden, hidden], axis=1)
-                known = min(k, len(seq.prompt) - 1) - seq.head_cache.offset  # pairs whose next token is in the prompt
-                absorb_head_pairs(model, seq, known, seq.prompt[seq.head_cache.offset + 1 : seq.head_cache.offset + 1 + known])
-            mx.eval(logits, seq.pending_hidden if seq.tracks_head else [], [c.state for c in seq.cache])
-            seq.last_logits = logits[:, -1]
-        seq.prefilled += stop - i
-        i = stop
-        if on_checkpoint is not None and stop in seq.checkpoints:
-            on_checkpoint(seq, stop)
-    if end < len(seq.prompt):
-        return None
-    lp = target_logprobs(seq.last_logits, seq.params, seq.history)
-    first = choose(lp, seq.params, seq.rng).item()
-    seq.last_logits = None
-    if seq.tracks_head:
-        # Owed head pairs (H[p], x[p+1]) from the head cache's end up to the new token.
-        seq.pending_tokens = seq.prompt[seq.head_cache.offset + 1 :] + [first]
-    seq.primary = first
-    return [first], lp
+def _argmax_only(seq: Sequence) -> bool:
+    """Greedy without penalties or grammar: the pipeline is the identity, the token the argmax."""
+    return seq.params.greedy and not seq.params.has_penalties and seq.grammar is None
 
 
-def plain_step(model: MTPModel, seq: Sequence) -> Emitted:
-    hidden, logits = model.forward(mx.array([[seq.primary]]), seq.cache)
-    lp = target_logprobs(logits[0], seq.params, seq.history)
-    token = choose(lp, seq.params, seq.rng).item()
-    seq.stats.backbone_passes += 1
-    if seq.tracks_head:
-        owe_head_pairs(model, seq, hidden, [token])
-    seq.primary = token
-    return [token], lp
+def _accepts_by_match(seq: Sequence) -> bool:
+    """Greedy and seeded rows keep drafts that equal the target's own choice."""
+    return seq.params.greedy or coupled(seq.params)
 
 
-def absorb_head_pairs(model: MTPModel, seq: Sequence, n: int, next_tokens: List[int]) -> None:
-    """Run the head over the first n owed pairs (their hiddens and `next_tokens`)."""
-    if n <= 0:
-        return
-    model.draft(seq.pending_hidden[:, :n], mx.array([next_tokens[:n]]), seq.head_cache)
-    mx.eval(seq.head_cache.state)  # keep the lazy graph bounded
-    seq.pending_hidden = seq.pending_hidden[:, n:]
+@dataclass
+class Drafts:
+    depths: List[int]  # K_i
+    tokens: Optional[mx.array]  # [B, W-1]; row i's first K_i are its drafts, the rest padding
+    q: List[Optional[mx.array]]  # row i: [K_i, V] draft log-probs (unseeded sampled rows with K_i > 0)
+    noise: List[Optional[mx.array]]  # row i: [W, V] its position noise (seeded rows)
+    masks: List[Optional[List[mx.array]]]  # row i: its grammar's mask [V] per position so far (constrained rows)
+    grammar_start: List[int]  # row i: tokens its matcher held before this round's drafts
+
+    @property
+    def width(self) -> int:
+        """Verify window: the primary plus the longest row's drafts."""
+        return max(self.depths) + 1
 
 
-def owe_head_pairs(model: MTPModel, seq: Sequence, hidden: mx.array, next_tokens: List[int]) -> None:
-    """Record pairs the head has not seen yet; absorb them once they pile up (plain steps)."""
-    seq.pending_hidden = mx.concatenate([seq.pending_hidden, hidden], axis=1)
-    seq.pending_tokens = seq.pending_tokens + next_tokens
-    if len(seq.pending_tokens) > MAX_OWED_PAIRS:
-        n = len(seq.pending_tokens) - 1  # keep the last pair: it yields the next first draft
-        absorb_head_pairs(model, seq, n, seq.pending_tokens)
-        seq.pending_tokens = seq.pending_tokens[n:]
+@dataclass
+class Verified:
+    drafts: Drafts
+    hidden: mx.array  # [B, W, H] backbone hiddens (the head's next inputs)
+    p: List[mx.array]  # row i: [W, V] target scores (log-probs; greedy rows: penalized logits)
+    argmax: Optional[mx.array]  # [B, W] argmax of the raw logits (argmax-only rows use it)
 
 
-def mtp_round(model: MTPModel, seq: Sequence) -> Emitted:
-    K, params = seq.depth, seq.params
+@dataclass
+class Accepted:
+    verified: Verified
+    counts: List[int]  # m_i: drafts row i accepted
+    tokens: List[List[int]]  # row i emits d_1 .. d_m, then the correction or bonus token
 
-    # 1. Draft: the head over the owed pairs gives d1; then chain on its own hidden.
-    #    Everything stays lazy until acceptance needs the numbers.
-    hidden, logits = model.draft(seq.pending_hidden, mx.array([seq.pending_tokens]), seq.head_cache)
-    hidden, draft_logits = hidden[:, -1:], logits[0, -1:]
-    drafts, q_rows = [], []
+    def emitted(self, i: int) -> Emitted:
+        return self.tokens[i], self.verified.p[i][: self.counts[i] + 1]
+
+
+def run_round(model: MTPModel, batch: Batch, depths: List[int]) -> Accepted:
+    drafts = draft(model, batch, depths)
+    verified = verify(model, batch, drafts)
+    accepted = accept(verified, batch.rows)
+    commit(batch, accepted)
+    return accepted
+
+
+# ---------------------------------------------------------------- 1. draft
+
+
+def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
+    """The head over each row's owed pairs gives d_1; then it chains on its own hidden.
+    Every row runs through the head (absorbing its owed pairs) when any row drafts;
+    when none does, the head only absorbs the pairs rows piled up meanwhile."""
+    rows, K = batch.rows, max(depths)
+    noise = [position_noise(s.params.seed, len(s.committed), K + 1, model.vocab_size) if coupled(s.params) else None
+             for s in rows]
+    masks = [[] if s.grammar is not None else None for s in rows]
+    grammar_start = [s.grammar.consumed if s.grammar is not None else 0 for s in rows]
+    if K == 0:
+        if batch.head_cache is not None and max(len(s.owed) for s in rows) > MAX_OWED_PAIRS:
+            head_over_owed(model, batch, keep_last=True)
+        return Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
+    q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
+    hidden, logits = head_over_owed(model, batch)
+    dv = model.draft_vocab
+    columns: List[mx.array] = []
     for j in range(K):
-        q = target_logprobs(draft_logits, params, seq.history, mx.concatenate(drafts) if drafts else None)
-        d = choose(q, params, seq.rng)
-        drafts.append(d)
-        q_rows.append(q)
+        column = model.draft_argmax(logits)  # argmax-only rows and padding
+        picked = {}
+        for i, s in enumerate(rows):
+            if j < depths[i] and not _argmax_only(s):
+                prefix = mx.stack(columns, axis=1)[i] if columns else None
+                allowed = None
+                if s.grammar is not None:
+                    allowed = s.grammar.mask()
+                    masks[i].append(allowed)
+                row = logits[i : i + 1] if dv is None else dv.to_vocab(logits[i : i + 1], model.vocab_size)
+                lp = target_logprobs(row, s.params, s.history, prefix, allowed)
+                picked[i] = choose(lp, s.params, s.rng, noise[i][j : j + 1] if noise[i] is not None else None)
+                if s.grammar is not None:
+                    s.grammar.consume([picked[i].item()])  # the matcher needs the token now: a host sync
+                if q[i] is not None:
+                    q[i].append(lp)
+        if picked:
+            column = mx.concatenate([picked.get(i, column[i : i + 1]) for i in range(len(rows))])
+        columns.append(column)
         if j < K - 1:
-            hidden, logits = model.draft(hidden, d[None], seq.head_cache)
-            draft_logits = logits[0, -1:]
-    drafts = mx.concatenate(drafts)
+            hidden, out = model.draft(hidden, column[:, None], batch.head_cache)
+            logits = out[:, -1]
+            if any(m is not None for m in masks):
+                mx.async_eval(logits)  # the head runs while the CPU computes the next masks
+    return Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
+                  grammar_start)
 
-    # 2. Verify: one backbone pass over [x, d1..dK], capturing GDN state per position.
-    set_capture(seq.cache, True)
-    verify_hidden, verify_logits = model.forward(mx.concatenate([mx.array([seq.primary]), drafts])[None], seq.cache)
-    set_capture(seq.cache, False)
-    p = target_logprobs(verify_logits[0], params, seq.history, drafts)
 
-    # 3. Accept.
-    if params.greedy:
-        target = mx.argmax(p, axis=-1)
-        mx.eval(drafts, target)
-        draft_list = drafts.tolist()
-        m, token = accept_greedy(draft_list, target.tolist())
+def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
+    """Run the head over each row's owed pairs (right-padded to a common length in
+    a batch; the padding entries are trimmed again). Returns the head's hidden and
+    logits at each row's last pair [B,1,H], [B,V]. With `keep_last`, each row's
+    last pair stays owed (absorbing a backlog without drafting)."""
+    rows = batch.rows
+    take = [len(s.owed) - (1 if keep_last else 0) for s in rows]
+    if len(rows) == 1:
+        n, owed = take[0], rows[0].owed
+        out, logits = model.draft(owed.hidden[:, :n], mx.array([owed.tokens[:n]]), batch.head_cache)
+        last_hidden, last_logits = out[:, n - 1 : n], logits[:, n - 1]
     else:
-        m, token = rejection_sample(drafts, p, mx.concatenate(q_rows), seq.rng)
-        draft_list = drafts.tolist()
-
-    # 4. Commit: keep GDN state after m+1 positions, trim KV, drop speculative head entries.
-    commit_verify(seq.cache, accepted_tokens=m + 1, verified_tokens=K + 1)
-    if K > 1:
-        seq.head_cache.trim(K - 1)
-    emitted = draft_list[:m] + [token]
-    seq.pending_hidden = verify_hidden[:, : m + 1]
-    seq.pending_tokens = emitted
-    seq.primary = token
-    seq.stats.backbone_passes += 1
-    seq.stats.record_round(K, m)
-    return emitted, p[: m + 1]
+        N = max(take)
+        hidden = mx.concatenate([_pad_right(s.owed.hidden[:, :n], N) for s, n in zip(rows, take)])
+        tokens = mx.array([s.owed.tokens[:n] + [0] * (N - n) for s, n in zip(rows, take)])
+        out, logits = model.draft(hidden, tokens, batch.head_cache)
+        trim_per_row(batch.head_cache, [N - n for n in take])
+        index, last = mx.arange(len(rows)), mx.array([n - 1 for n in take])
+        last_hidden, last_logits = out[index, last][:, None], logits[index, last]
+    if keep_last:
+        mx.eval(batch.head_cache.state)  # keep the lazy graph bounded
+    for s, n in zip(rows, take):
+        s.owed.drop_first(n)
+    return last_hidden, last_logits
 
 
 def _pad_right(x: mx.array, n: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, n - x.shape[1]), (0, 0)]) if x.shape[1] < n else x
 
 
-def _head_over_owed(model: MTPModel, batch: Batch, keep_last: bool) -> Tuple[mx.array, mx.array]:
-    """Run the batched head over each row's owed pairs (right-padded to a common length).
-
-    Returns the head's hidden and logits at each row's last pair [B,1,H], [B,V].
-    With keep_last, each row's last pair stays owed (absorbing a backlog).
-    """
-    seqs = batch.seqs
-    take = [len(s.pending_tokens) - (1 if keep_last else 0) for s in seqs]
-    N = max(take)
-    hidden = mx.concatenate([_pad_right(s.pending_hidden[:, :n], N) for s, n in zip(seqs, take)])
-    tokens = mx.array([s.pending_tokens[:n] + [0] * (N - n) for s, n in zip(seqs, take)])
-    out, logits = model.draft(hidden, tokens, batch.head_cache[0])
-    batch.head_cache[0].trim_rows([N - n for n in take])  # the padding entries
-    last = mx.array([n - 1 for n in take])
-    rows = mx.arange(len(seqs))
-    if keep_last:
-        mx.eval(batch.head_cache[0].state)
-        for s, n in zip(seqs, take):
-            s.pending_hidden, s.pending_tokens = s.pending_hidden[:, n:], s.pending_tokens[n:]
-    return out[rows, last][:, None], logits[rows, last]
+# ---------------------------------------------------------------- 2. verify
 
 
-def batched_round(model: MTPModel, batch: Batch, K: int) -> List[Emitted]:
-    """One round for every row of `batch`: K drafts each (K=0: plain batched step).
+def verify(model: MTPModel, batch: Batch, drafts: Drafts) -> Verified:
+    """One backbone pass over [x, d_1 .. d_W-1] per row. GatedDeltaNet layers capture
+    the window's states so the commit can keep any prefix (nothing to capture at W=1)."""
+    rows = batch.rows
+    inputs = mx.array([[s.primary] for s in rows])
+    if drafts.tokens is not None:
+        inputs = mx.concatenate([inputs, drafts.tokens], axis=1)
+    capture = drafts.width > 1
+    set_capture(batch.cache, capture)
+    hidden, logits = model.forward(inputs, batch.cache)
+    if capture:
+        set_capture(batch.cache, False)
+    allowed = _window_masks(rows, drafts, logits)
+    p = [
+        logits[i] if _argmax_only(s) else
+        target_logprobs(logits[i], s.params, s.history, drafts.tokens[i] if drafts.tokens is not None else None,
+                        allowed[i])
+        for i, s in enumerate(rows)
+    ]
+    argmax = mx.argmax(logits, axis=-1) if any(_argmax_only(s) for s in rows) else None
+    return Verified(drafts, hidden, p, argmax)
 
-    Rows share the forward passes but not their fate: each row is sampled with
-    its own parameters, accepts its own number of drafts and is rolled back by
-    its own count. Returns each row's emitted tokens (and target log-probs).
-    """
-    seqs = batch.seqs
-    B = len(seqs)
 
-    # 1. Draft: the batched head over each row's owed pairs gives d1; then chain.
-    drafts = None
-    q_rows: List[List[mx.array]] = [[] for _ in seqs]
-    if K > 0:
-        hidden, step_logits = _head_over_owed(model, batch, keep_last=False)
-        columns = []
-        for j in range(K):
-            prev = mx.stack(columns, axis=1) if columns else None
-            col = []
-            for i, s in enumerate(seqs):
-                q = target_logprobs(step_logits[i : i + 1], s.params, s.history, prev[i] if prev is not None else None)
-                q_rows[i].append(q)
-                col.append(choose(q, s.params, s.rng))
-            columns.append(mx.concatenate(col))
-            if j < K - 1:
-                hidden, logits = model.draft(hidden, columns[-1][:, None], batch.head_cache[0])
-                step_logits = logits[:, -1]
-        drafts = mx.stack(columns, axis=1)  # [B, K]
+def _window_masks(rows: List[Sequence], drafts: Drafts, logits: mx.array) -> List[Optional[mx.array]]:
+    """Each constrained row's masks over the window [W, V]: those its drafts were
+    sampled under, the one after its last draft (computed while the backbone runs),
+    and no constraint on padding positions (never accepted)."""
+    if all(s.grammar is None for s in rows):
+        return [None] * len(rows)
+    mx.async_eval(logits)
+    W = drafts.width
+    out = []
+    for s, masks in zip(rows, drafts.masks):
+        if masks is None:
+            out.append(None)
+            continue
+        masks.append(s.grammar.mask())
+        pad = [mx.ones_like(masks[0])] * (W - len(masks))
+        out.append(mx.stack(masks + pad))
+    return out
 
-    # 2. Verify: one backbone pass over [B, K+1], capturing GDN state per position
-    #    (a plain step, K=0, has nothing to roll back).
-    inputs = mx.array([[s.primary] for s in seqs])
-    if drafts is not None:
-        inputs = mx.concatenate([inputs, drafts], axis=1)
-    set_capture(batch.cache, K > 0)
-    verify_hidden, verify_logits = model.forward(inputs, batch.cache)
-    set_capture(batch.cache, False)
-    p = [target_logprobs(verify_logits[i], s.params, s.history, drafts[i] if K else None) for i, s in enumerate(seqs)]
 
-    # 3. Accept, row by row.
-    greedy_targets = [mx.argmax(p[i], axis=-1) if s.params.greedy else None for i, s in enumerate(seqs)]
-    mx.eval([t for t in greedy_targets if t is not None], drafts if drafts is not None else [])
-    draft_lists = drafts.tolist() if drafts is not None else [[] for _ in seqs]
-    results = []
-    for i, s in enumerate(seqs):
-        if s.params.greedy:
-            m, token = accept_greedy(draft_lists[i], greedy_targets[i].tolist())
+# ---------------------------------------------------------------- 3. accept
+
+
+def accept(verified: Verified, rows: List[Sequence]) -> Accepted:
+    """Each row independently: how many of its own drafts it keeps, and the token after them."""
+    drafts, p = verified.drafts, verified.p
+    targets = [
+        verified.argmax[i] if _argmax_only(s) else
+        mx.argmax(p[i] if s.params.greedy else p[i] + drafts.noise[i], axis=-1) if _accepts_by_match(s) else None
+        for i, s in enumerate(rows)
+    ]
+    mx.eval([t for t in targets if t is not None], drafts.tokens if drafts.tokens is not None else [])
+    draft_lists = drafts.tokens.tolist() if drafts.tokens is not None else [[] for _ in rows]
+    counts, tokens = [], []
+    for i, s in enumerate(rows):
+        K = drafts.depths[i]
+        if targets[i] is not None:
+            m, token = accept_greedy(draft_lists[i][:K], targets[i].tolist())
         elif K > 0:
-            m, token = rejection_sample(drafts[i], p[i], mx.concatenate(q_rows[i]), s.rng)
+            m, token = rejection_sample(drafts.tokens[i, :K], p[i][: K + 1], drafts.q[i], s.rng)
         else:
-            m, token = 0, choose(p[i], s.params, s.rng).item()
-        results.append((m, token))
+            m, token = 0, choose(p[i][:1], s.params, s.rng).item()
+        counts.append(m)
+        tokens.append(draft_lists[i][:m] + [token])
+    return Accepted(verified, counts, tokens)
 
-    # 4. Commit per row: GDN state after m+1 positions, KV trimmed by K-m, head entries
-    #    of drafts 2..K dropped, owed pairs up to the new primary.
-    if K > 0:
-        accepted = mx.array([m + 1 for m, _ in results])
-        for c in batch.cache:
-            if isinstance(c, SpeculativeGDNCache):
-                c.select(accepted)
-        trim_rows(batch.cache, [K - m for m, _ in results])
-    if K > 1:
-        batch.head_cache[0].trim(K - 1)
-    emitted_rows: List[Emitted] = []
-    for i, (s, (m, token)) in enumerate(zip(seqs, results)):
-        emitted = draft_lists[i][:m] + [token]
-        owed = verify_hidden[i : i + 1, : m + 1]
-        if K > 0:
-            s.pending_hidden, s.pending_tokens = owed, emitted
+
+# ---------------------------------------------------------------- 4. commit
+
+
+def commit(batch: Batch, accepted: Accepted) -> None:
+    """Row i keeps GatedDeltaNet state after m_i + 1 window positions, drops its last
+    W - m_i - 1 KV entries, and owes the head the pairs of what it emitted; the head's
+    entries for drafts 2..W-1 (chained on its own hidden) are dropped for every row."""
+    verified = accepted.verified
+    W = verified.drafts.width
+    if W > 1:
+        keep_verified(batch.cache, [m + 1 for m in accepted.counts], W)
+        if W > 2:
+            batch.head_cache.trim(W - 2)
+    for i, s in enumerate(batch.rows):
+        m, emitted = accepted.counts[i], accepted.tokens[i]
+        if s.grammar is not None:  # keep the accepted drafts it consumed, then take the rest
+            start = verified.drafts.grammar_start[i]
+            kept = min(m, s.grammar.consumed - start)
+            s.grammar.rollback_to(start + kept)
+            s.grammar.consume(emitted[kept:])
+        hidden = verified.hidden[i : i + 1, : m + 1]
+        if W > 1:
+            s.owed = OwedPairs(hidden, emitted)
         elif s.tracks_head:
-            s.pending_hidden = mx.concatenate([s.pending_hidden, owed], axis=1)
-            s.pending_tokens = s.pending_tokens + emitted
-        s.primary = token
+            s.owed.append(hidden, emitted)
+        s.primary = emitted[-1]
         s.stats.backbone_passes += 1
-        if K > 0:
-            s.stats.record_round(K, m)
-        emitted_rows.append((emitted, p[i][: m + 1]))
-    if K == 0 and batch.uses_mtp and max(len(s.pending_tokens) for s in seqs) > MAX_OWED_PAIRS:
-        _head_over_owed(model, batch, keep_last=True)
-    return emitted_rows
+        s.stats.record_round(verified.drafts.depths[i], m)

@@ -12,48 +12,45 @@ from mtp_serve.backend import blas_threads_adjustable, set_decode_blas_threads
 from mtp_serve.models.mtp_model import MTPModel
 
 from .batch import Batch
+from .prefill import prefill
 from .sampling import SamplingParams
-from .sequence import new_sequence
-from .speculative import batched_round, mtp_round, plain_step, prefill
+from .sequence import Sequence, new_sequence
+from .speculative import run_round
 
 
-def _prefilled(model: MTPModel, prompt: list, depth: int):
+def _prefilled(model: MTPModel, tokenizer, prompt: list, depth: int) -> Sequence:
     """A dummy request, prefilled, that decodes for as long as it is stepped."""
-    seq = new_sequence(model, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True), depth)
+    seq = new_sequence(model, tokenizer, ("warm-up", len(prompt)), prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True), depth)
     prefill(model, seq)
     return seq
 
 
-def warm_up(model: MTPModel, depth: int, rounds: int = 2) -> float:
-    """Plain steps, single-sequence MTP rounds and batched rounds (plain and
-    drafting) on a short dummy prompt; returns the seconds it took."""
+def warm_up(model: MTPModel, tokenizer, depth: int, rounds: int = 2) -> float:
+    """Rounds at every depth up to `depth`, for one row and then for a batch of
+    two, on short dummy prompts; returns the seconds it took."""
     t0 = time.perf_counter()
     depth = depth if model.has_mtp else 0
-    seqs = []
+    batch = Batch()
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]):
-        seq = _prefilled(model, prompt, depth)
+        batch.add(_prefilled(model, tokenizer, prompt, depth))
         for _ in range(rounds):
-            plain_step(model, seq)
-            if depth:
-                mtp_round(model, seq)
-        seqs.append(seq)
-    batch = Batch(seqs)
-    for _ in range(rounds):
-        for K in sorted({0, depth}):
-            batched_round(model, batch, K)
+            for K in range(depth + 1):
+                run_round(model, batch, [K] * len(batch))
     return time.perf_counter() - t0
 
 
-def calibrate_blas_threads(model: MTPModel, steps: int = 6, rounds: int = 3, slow_step_s: float = 0.05) -> Optional[int]:
+def calibrate_blas_threads(model: MTPModel, tokenizer, steps: int = 6, rounds: int = 3, slow_step_s: float = 0.05) -> Optional[int]:
     """Time plain decode steps with OpenBLAS on one thread and on every core, and
     keep the faster for decode-sized matmuls. A model whose step takes longer than
     `slow_step_s` is bandwidth-bound and keeps every core without measuring.
     Returns the choice (None: every core)."""
     if not blas_threads_adjustable():
         return None
-    seq = _prefilled(model, [1, 2, 3, 4, 5, 6, 7, 8], 0)
+    batch = Batch()
+    batch.add(_prefilled(model, tokenizer, [1, 2, 3, 4, 5, 6, 7, 8], 0))
+    step = lambda: run_round(model, batch, [0])  # noqa: E731
     t0 = time.perf_counter()
-    plain_step(model, seq)
+    step()
     if time.perf_counter() - t0 > slow_step_s:
         set_decode_blas_threads(None)
         return None
@@ -61,10 +58,10 @@ def calibrate_blas_threads(model: MTPModel, steps: int = 6, rounds: int = 3, slo
     for _ in range(rounds):  # alternating, so a noisy moment does not decide alone
         for n in (1, None):
             set_decode_blas_threads(n)
-            plain_step(model, seq)  # the switch itself
+            step()  # the switch itself
             t0 = time.perf_counter()
             for _ in range(steps):
-                plain_step(model, seq)
+                step()
             best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
     choice = min(best, key=best.get)
     set_decode_blas_threads(choice)

@@ -16,7 +16,8 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from .mlx_lm_compat import ArraysCache, BatchKVCache, KVCache
 
 
 class SpeculativeGDNCache(ArraysCache):
@@ -161,17 +162,22 @@ def set_capture(cache: List[Any], on: bool) -> None:
             c.capturing = on
 
 
-def commit_verify(cache: List[Any], accepted_tokens: int, verified_tokens: int) -> None:
-    """Roll a single-sequence cache back to `accepted_tokens` of a verify of `verified_tokens`."""
+def trim_per_row(cache: Any, rejected: List[int]) -> None:
+    """Drop the last `rejected[i]` entries of row i of an attention cache: a batched
+    one per row (holes), a single-sequence one (one row) by moving its end."""
+    if isinstance(cache, RollbackBatchKVCache):
+        cache.trim_rows(rejected)
+    elif rejected[0]:
+        cache.trim(rejected[0])
+
+
+def keep_verified(cache: List[Any], kept: List[int], width: int) -> None:
+    """After a captured verify of `width` tokens per row, keep the first `kept[i]`
+    of row i: GatedDeltaNet state after them, attention KV trimmed to them."""
+    select = kept[0] if len(kept) == 1 else mx.array(kept)
+    rejected = [width - k for k in kept]
     for c in cache:
         if isinstance(c, SpeculativeGDNCache):
-            c.select(accepted_tokens)
-        elif verified_tokens > accepted_tokens:
-            c.trim(verified_tokens - accepted_tokens)
-
-
-def cache_offset(cache: List[Any]) -> int:
-    for c in cache:
-        if isinstance(c, KVCache):
-            return c.offset
-    raise ValueError("cache has no attention layer")
+            c.select(select)
+        else:
+            trim_per_row(c, rejected)

@@ -23,12 +23,11 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
 from .gdn import store_step
+from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
 
 # Longest input the compiled paths take: verify windows are K+1 <= 8 tokens.
 MAX_COMPILED_TOKENS = 8

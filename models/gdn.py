@@ -20,18 +20,19 @@ from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
-from mlx_lm.models.gated_delta import (
-    _gated_delta_step_ops,
-    compute_g,
-    gated_delta_update,
-    normalize_qk,
-)
 
 from . import fast_math
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import gated_delta_chunked, gated_delta_window
+from .mlx_lm_compat import (
+    Qwen35GatedDeltaNetBase,
+    Qwen3NextGatedDeltaNetBase,
+    Qwen3NextRMSNormGated,
+    compute_g,
+    gated_delta_step_ops,
+    gated_delta_update,
+    normalize_qk,
+)
 
 # Inputs at least this long take the chunked path where no Metal kernel runs: its
 # operation count does not grow with the length, the per-token loop's does (a
@@ -106,7 +107,7 @@ def gated_delta_steps(
         k = mx.repeat(k, Hv // Hk, -2)
     ys, states = [], []
     for t in range(q.shape[1]):
-        y, state = _gated_delta_step_ops(
+        y, state = gated_delta_step_ops(
             q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state,
             None if mask is None else mask[:, t],
         )
@@ -213,14 +214,14 @@ def store_step(cache: Any, conv_input: mx.array, state: Any, S: int, capture: bo
     cache.advance(S)
 
 
-class Qwen35GatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_5.GatedDeltaNet):
+class Qwen35GatedDeltaNet(CapturingGatedDeltaNetMixin, Qwen35GatedDeltaNetBase):
     def project(self, x):
         B, S, _ = x.shape
         z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
 
-class Qwen3NextGatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_next.Qwen3NextGatedDeltaNet):
+class Qwen3NextGatedDeltaNet(CapturingGatedDeltaNetMixin, Qwen3NextGatedDeltaNetBase):
     def project(self, x):
         B, S, _ = x.shape
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x), self.in_proj_ba(x))
@@ -229,8 +230,8 @@ class Qwen3NextGatedDeltaNet(CapturingGatedDeltaNetMixin, qwen3_next.Qwen3NextGa
 
 
 _REPLACEMENTS = {
-    qwen3_5.GatedDeltaNet: Qwen35GatedDeltaNet,
-    qwen3_next.Qwen3NextGatedDeltaNet: Qwen3NextGatedDeltaNet,
+    Qwen35GatedDeltaNetBase: Qwen35GatedDeltaNet,
+    Qwen3NextGatedDeltaNetBase: Qwen3NextGatedDeltaNet,
 }
 
 

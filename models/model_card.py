@@ -24,6 +24,7 @@ class ModelCard:
     tool_call_parser: str = "none"
     reasoning_parser: str = "none"
     default_mtp_depth: int = 2
+    draft_vocab_size: int = 0  # draft from the checkpoint's N most frequent tokens (draft_vocab.json); 0 = all
 
     def __post_init__(self):
         if self.mtp_hidden not in ("post_norm", "pre_norm"):

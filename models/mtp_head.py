@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+
+from .mlx_lm_compat import create_attention_mask
 
 
 class MTPHead(nn.Module):

@@ -11,14 +11,14 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import KVCache
 
 from mtp_serve.backend import blas_threads_for
 
 from .caches import SpeculativeGDNCache
 from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers
+from .draft_vocab import DraftVocab
 from .model_card import ModelCard
+from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask
 from .mtp_head import MTPHead
 from .prefill_layers import PrefillLayers
 
@@ -36,6 +36,8 @@ class MTPModel:
         # Longer inputs (prefill chunks) on CPU run through PrefillLayers (blockwise
         # attention, fast activations); None, or a GPU, runs mlx-lm's layers.
         self.prefill: Optional[PrefillLayers] = PrefillLayers() if mx.default_device() == mx.cpu else None
+        # The head's drafts score only this subset of the vocabulary (None: all of it).
+        self.draft_vocab: Optional[DraftVocab] = None
 
     @property
     def inner(self) -> nn.Module:
@@ -59,6 +61,19 @@ class MTPModel:
     def make_head_cache(self) -> KVCache:
         return KVCache()
 
+    def use_draft_vocab(self, ids: Optional[List[int]]) -> None:
+        """Draft from these token ids only (None: the whole vocabulary)."""
+        if ids is None:
+            self.draft_vocab = None
+            return
+        rows = self.inner.embed_tokens if self.text.args.tie_word_embeddings else self.text.lm_head
+        self.draft_vocab = DraftVocab(ids, rows)
+
+    def draft_argmax(self, logits: mx.array) -> mx.array:
+        """Token ids of the best draft scores (`draft` logits, over the draft vocabulary if set)."""
+        best = mx.argmax(logits, axis=-1)
+        return self.draft_vocab.ids[best] if self.draft_vocab is not None else best
+
     def lm_head(self, h: mx.array) -> mx.array:
         if self.text.args.tie_word_embeddings:
             return self.inner.embed_tokens.as_linear(h)
@@ -77,10 +92,11 @@ class MTPModel:
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
-        """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits)."""
+        """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
+        logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them)."""
         blas_threads_for(next_tokens.size)
         out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.run_layer)
-        return out, self.lm_head(out)
+        return out, (self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out))
 
     def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:
         """One decoder layer: compiled for decode-sized inputs, PrefillLayers for long ones."""

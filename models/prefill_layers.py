@@ -25,11 +25,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 
 from . import fast_math
 from .compiled_steps import _attention_in
+from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
 from .prefill_attention import causal_attention
 
 

@@ -1,33 +1,45 @@
 """Chat prompts: messages -> the checkpoint's chat template -> token ids; and the output parsers.
 
-`tool_choice` is enforced through the prompt, since the engine has no
-constrained decoding:
+`tool_choice`:
 - "none": the tools still reach the template (the prompt stays a prefix of the
   agent's next turn), but the output is not parsed for tool calls.
 - "auto" (the default with tools): the output is parsed for tool calls.
-- "required": the generation prompt ends with the opening of a tool call
-  (`<tool_call>\\n<function=` for qwen3_coder, `<tool_call>\\n{"name": "` for
-  hermes), so the model's first tokens name a function.
-- named: the prompt ends with the whole call header for that function; the
-  model writes the arguments.
-With thinking on, the forced text first closes the think block. The forced
-text is fed to the output parser as if the model had written it. A model that
-still writes a malformed call gets its text back as content.
+- "required" / named: the output is constrained (grammar, `constraints.py`) to
+  a tool call in the model's format (one of the tools, or the named one; several
+  with parallel tool calls) whose arguments follow the tool's schema.
+(Anthropic's "any" is "required" and its "tool" a named function; the Responses
+API's choices are the same as chat's.) An output constraint (`response_format`
+and the like) goes through the same place; with thinking on, the reasoning
+before either stays free.
 
 Streaming tool calls: a call goes out when its `</tool_call>` arrives, as one
 delta with id and name, then its argument chunks; text that never becomes a
 well-formed call (malformed, or cut off by max_tokens) is sent as content.
+
+Special tokens in client text (`PromptEncoder`): a message containing
+`<|im_end|>` must not close its turn. Before rendering, every special token in
+the messages' and tools' strings becomes a marker; the template's own special
+tokens stay as they are. The rendered text is then split at the template's
+special tokens (as the tokenizer itself does) and each piece between them is
+tokenized with the markers turned back into their text and special tokens read
+as text, so client text gets exactly the ids ordinary text would.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
+from mtp_serve.engine.grammar import Constraint
+from mtp_serve.engine.memory import trim_heap
+from mtp_serve.server import constraints
 from mtp_serve.server.errors import bad_request
 from mtp_serve.server.parsers import (
     OutputParser,
@@ -36,33 +48,115 @@ from mtp_serve.server.parsers import (
     make_tool_parser,
     prompt_opens_reasoning,
 )
-from mtp_serve.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from mtp_serve.server.schemas import ChatMessage
 
-TOOL_PARSERS = ("auto", "qwen3_coder", "hermes", "none")
 TURN_START = "<|im_start|>"  # ChatML, as every Qwen template uses
-REASONING_PARSERS = ("auto", "qwen3", "none")
 
 
 @dataclass
 class ChatPrompt:
-    text: str  # the rendered prompt, forced text included
+    text: str  # the rendered prompt
     ids: List[int]
-    forced: str  # text appended after the generation prompt (tool_choice required/named)
+    constraint: Optional[Constraint]  # what the output (after any reasoning) must match: a forced tool call, a schema...
     opens_reasoning: bool  # the prompt ends inside an open think block
     tool_parser: str  # parser for this request's output ("none" when not parsing tools)
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
+
+    @classmethod
+    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = ()) -> "ChatPrompt":
+        """A prompt given as text or ids (/v1/completions): the output is not parsed."""
+        return cls("", ids, constraint, False, "none", None, checkpoints)
 
 
 def hf_tokenizer(tokenizer):
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
+# Tokenizing a few MB leaves hundreds of MB freed but held by the C heap (tokenizers'
+# per-token buffers); past this many characters the encoder hands them back to the OS.
+TRIM_ABOVE_CHARS = 1 << 18
+
+
+class PromptEncoder:
+    """Prompt text -> token ids; special tokens in client text stay text unless allowed."""
+
+    def __init__(self, tokenizer, allow_special_in_content: bool = False):
+        self.tokenizer = tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        special = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        special |= set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        self.special = sorted((t for t in special if t), key=len, reverse=True)
+        self.escaping = bool(self.special) and not allow_special_in_content
+        self.special_re = re.compile("|".join(map(re.escape, self.special))) if self.special else None
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.as_text = None
+        if self.escaping and hasattr(backend, "encode_special_tokens"):
+            self.as_text = copy.deepcopy(backend)  # its own copy: the flag is per tokenizer, shared by threads
+            self.as_text.encode_special_tokens = True
+
+    def escape(self, value: Any) -> Tuple[Any, dict]:
+        """`value` (messages, tools) with each special token in its strings replaced by a
+        marker; returns it and {marker: token}."""
+        if not self.escaping:
+            return value, {}
+        nonce = secrets.token_hex(6)
+        markers = {tok: f"\ue000{nonce}.{i}\ue001" for i, tok in enumerate(self.special)}
+        used = {}
+
+        def sub(m: re.Match) -> str:
+            used[markers[m.group(0)]] = m.group(0)
+            return markers[m.group(0)]
+
+        def walk(v):
+            if isinstance(v, str):
+                return self.special_re.sub(sub, v) if self.special_re.search(v) else v
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            return v
+
+        return walk(value), used
+
+    def encode(self, text: str, markers: Optional[dict] = None) -> List[int]:
+        if markers:
+            ids = self._encode_marked(text, markers)
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(text) > TRIM_ABOVE_CHARS:
+            trim_heap()
+        return ids
+
+    def _encode_marked(self, text: str, markers: dict) -> List[int]:
+        ids: List[int] = []
+        pos = 0
+        for m in self.special_re.finditer(text):  # the template's own special tokens
+            ids += self._as_text(text[pos : m.start()], markers)
+            ids.append(self.tokenizer.convert_tokens_to_ids(m.group(0)))
+            pos = m.end()
+        return ids + self._as_text(text[pos:], markers)
+
+    def _as_text(self, piece: str, markers: dict) -> List[int]:
+        if not piece:
+            return []
+        for marker, token in markers.items():
+            piece = piece.replace(marker, token)
+        if self.as_text is not None:
+            return self.as_text.encode(piece, add_special_tokens=False).ids
+        return self.tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+
+
 class ChatFormat:
     """The model's chat template and parser choice, resolved once at start-up."""
 
-    def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto", reasoning_parser: str = "auto"):
+    def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto",
+                 reasoning_parser: str = "auto", special_tokens_in_content: bool = False,
+                 check_constraint: Callable[[Constraint], None] = lambda c: None):
         self.tokenizer = hf_tokenizer(tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, allow_special_in_content=special_tokens_in_content)
+        self.added_tokens = set(self.tokenizer.get_added_vocab())
+        self.check_constraint = check_constraint  # compiles it: a 400 naming the problem
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
         self.template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -78,65 +172,84 @@ class ChatFormat:
         self.turn_start_id = turn if isinstance(turn, int) and self.tokenizer.convert_ids_to_tokens(turn) == TURN_START else None
 
     def checkpoints(self, ids: List[int]) -> tuple:
-        """Where the last turn (the generation prompt) starts. An agent's next request
-        repeats everything before it, while the reply after it comes back re-rendered
-        (reasoning dropped, arguments reformatted), so a snapshot there is what the
-        next turn can reuse."""
-        if self.turn_start_id is None or self.turn_start_id not in ids:
+        """Every message boundary: where each `<|im_start|>` is. The first ones end the
+        system prompt and tool schemas, which other conversations share; the last one
+        starts the generation prompt, before the reply that an agent's next request
+        sends back re-rendered (reasoning dropped, arguments reformatted)."""
+        if self.turn_start_id is None:
             return ()
-        last = len(ids) - 1 - ids[::-1].index(self.turn_start_id)
-        return (last,) if last > 0 else ()
+        return tuple(i for i, t in enumerate(ids) if t == self.turn_start_id and i > 0)
 
     # -- prompt
 
-    def render(self, req: ChatCompletionRequest) -> ChatPrompt:
+    def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
+               tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages",
+               output: Optional[Constraint] = None, parallel_tool_calls: bool = True) -> ChatPrompt:
+        """`messages` as chat templates expect them; `tools` as OpenAI function tools;
+        `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
+        `tool_name` for one named function; `output`: a constraint on the output."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        if choice != "none" and choice != "auto" and not tools:
+        tools = tools or None
+        choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+        if tool_name is not None:
+            choice = "function"
+        if choice not in ("none", "auto") and not tools:
             raise bad_request("tool_choice requires tools", "tool_choice")
         parser = self.tool_parser if (tools and choice != "none") else "none"
         if parser == "none" and choice not in ("none", "auto"):
             raise bad_request("tool_choice 'required' or a named function needs a tool-call format; this server runs with --tool-call-parser none", "tool_choice")
-        kwargs = dict(req.chat_template_kwargs or {})
+        (escaped, escaped_tools), markers = self.encoder.escape([one_system_message(messages), tools])
         try:
             text = self.tokenizer.apply_chat_template(
-                template_messages(req.messages),
-                tools=tools,
+                escaped,
+                tools=escaped_tools,
                 add_generation_prompt=True,
                 tokenize=False,
                 chat_template=self.template,
-                **kwargs,
+                **(template_kwargs or {}),
             )
         except (TemplateError, TypeError, ValueError, KeyError) as e:
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+            raise bad_request(f"the chat template rejected the messages: {e}", messages_param) from e
+        except RecursionError as e:  # nesting is bounded before (limits.py); a template that recurses anyway
+            raise bad_request("the chat template could not render the request: nested too deeply", messages_param) from e
         opens = self.reasoning_parser != "none" and prompt_opens_reasoning(text)
-        forced = ""
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            if name is not None and name not in {t["function"]["name"] for t in tools}:
-                raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-            forced = ("</think>\n\n" if opens else "") + forced_tool_prefix(parser, name)
-        text += forced
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ChatPrompt(text, ids, forced, opens, parser, tools, self.checkpoints(ids))
+        forced = None
+        if choice in ("required", "function"):
+            if tool_name is not None and tool_name not in {t["function"]["name"] for t in tools}:
+                raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
+            forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens)
+        ids = self.encoder.encode(text, markers)
+        for marker, token in markers.items():
+            text = text.replace(marker, token)
+        prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids))
+        if prompt.constraint is not None:
+            self.check_constraint(self.engine_constraint(prompt))
+        return prompt
+
+    def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
+        """What the engine enforces from the first output token: reasoning stays free."""
+        if prompt.constraint is None or not prompt.opens_reasoning:
+            return prompt.constraint
+        return constraints.after_reasoning(prompt.constraint, self.added_tokens)
 
     # -- output
 
-    def output_parser(self, prompt: ChatPrompt, *, streaming: bool, parallel_tool_calls: bool = True) -> OutputParser:
+    def output_parser(self, prompt: ChatPrompt) -> OutputParser:
         reasoning = ReasoningParser(starts_in_reasoning=True) if prompt.opens_reasoning else None
-        # incremental=False also when streaming: a call is sent (id and name, then its
-        # argument chunks) once `</tool_call>` closes it, so malformed or cut-off
-        # tool text can still come back as content instead of a half-sent call.
-        tools = make_tool_parser(prompt.tool_parser, prompt.tools, incremental=False) if prompt.tool_parser != "none" else None
+        tools = make_tool_parser(prompt.tool_parser, prompt.tools) if prompt.tool_parser != "none" else None
         return OutputParser(reasoning, tools)
 
 
-def forced_tool_prefix(parser: str, name: Optional[str]) -> str:
-    if parser == "hermes":
-        return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
-    return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+def one_system_message(messages: List[dict]) -> List[dict]:
+    """Qwen templates take one system message, first: system messages elsewhere (Codex sends
+    two developer messages, Claude Code system turns) join it, in order, so the prompt
+    stays a prefix of the next turn's."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if len(system) < 2 and (not system or messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(m["content"] for m in system if m.get("content"))
+    return [{"role": "system", "content": text}] + [m for m in messages if m.get("role") != "system"]
 
 
 def template_messages(messages: List[ChatMessage]) -> List[dict]:
@@ -169,6 +282,3 @@ def template_messages(messages: List[ChatMessage]) -> List[dict]:
         out.append(d)
     return out
 
-
-def tools_as_dicts(tools: Any) -> Optional[list]:
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -2,22 +2,34 @@
 
 Unknown fields are ignored (`extra="ignore"`), as OpenAI clients expect;
 messages keep theirs (`extra="allow"`) so chat templates can read fields such
-as `reasoning_content`. Responses are plain dicts built in `responses.py`.
+as `reasoning_content`. Responses are plain dicts built in `openai_format.py`.
+
+Types are strict, as the schema says (`"max_tokens": "8"` and `"stream": "yes"`
+are refused, not converted; an integer is a number), and no number may be NaN or
+infinite (JSON has neither).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from mtp_serve.engine.sampling import REPETITION_PENALTY_RANGE
+
+STRICT = dict(strict=True, allow_inf_nan=False)
+
+# Any integer in [-2^63, 2^64) (signed or unsigned 64-bit), used modulo 2^64.
+Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64), AfterValidator(lambda v: v % (1 << 64))]
+RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     name: str = Field(min_length=1, max_length=256)
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None
@@ -25,26 +37,26 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
 class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     name: str
     arguments: Union[str, Dict[str, Any]] = "{}"
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
@@ -58,16 +70,18 @@ class StreamOptions(_Request):
 
 
 class NamedFunction(BaseModel):
+    model_config = ConfigDict(**STRICT)
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(**STRICT)
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     type: str
 
 
@@ -80,8 +94,8 @@ class _SamplingFields(_Request):
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
-    seed: Optional[int] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
+    seed: Optional[Seed] = None
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     ignore_eos: bool = False
@@ -90,6 +104,13 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    # vLLM-style output constraints (server/constraints.py)
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Optional[Union[Dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -113,7 +134,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
-    response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 

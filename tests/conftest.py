@@ -1,10 +1,11 @@
 import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
 
+import contextlib
+import io
+
 import pytest
 
 from mtp_serve.testing.synthetic import write_synthetic_checkpoint
-
-
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +37,62 @@ def loaded(checkpoint_dir):
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    """The shipped demo model (a trained head: drafting pays on it)."""
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import load_model
+
+    return load_model(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def stock_converted(tmp_path_factory):
+    """Factory: `src` converted by stock mlx-lm (which drops the MTP head), once per
+    (src, quantize); 4-bit quantization uses group size 32."""
+    from mlx_lm.convert import convert
+
+    made = {}
+
+    def make(src, quantize: bool = False):
+        key = (str(src), quantize)
+        if key not in made:
+            out = tmp_path_factory.mktemp("stock") / ("q4" if quantize else "plain")
+            with contextlib.redirect_stdout(io.StringIO()):
+                convert(str(src), str(out), quantize=quantize, q_group_size=32 if quantize else None, q_bits=4 if quantize else None)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def scripted_checkpoint(tmp_path_factory):
+    """The scripted model of test_server_support (trained once per session): fixed replies
+    with reasoning, tool calls and malformed tool text."""
+    from test_server_support import write_scripted_checkpoint
+
+    return write_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_dir):
+    """A live server (MTP depth 2) on the agreeable synthetic model, one per test module."""
+    from test_server_support import serve
+
+    # Fixed depth: on the tiny model drafting would not pay, and the measured policy would stop it.
+    s = serve(checkpoint_dir("qwen3_5", agreeable=True), mtp_depth=2, fixed_depth=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def scripted(scripted_checkpoint):
+    """A live server on the scripted model, one per test module."""
+    from test_server_support import serve
+
+    s = serve(scripted_checkpoint)
+    yield s
+    s.stop()

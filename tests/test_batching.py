@@ -39,8 +39,8 @@ def drive(lm, requests, depth, *, arrivals=None, cancel=None, max_batch=8, prefi
             assert not isinstance(chunk, Exception), chunk
             toks, text, _ = out[key]
             out[key] = (toks + chunk.token_ids, text + chunk.text, chunk.finish_reason)
-        B, K, accepted = sched.last_round
-        if B > 1 and len(set(accepted)) > 1:
+        accepted = [m for _, m in sched.last_round.values()]
+        if len(accepted) > 1 and len(set(accepted)) > 1:
             mixed_rounds += 1
         step += 1
         assert step < 5000
@@ -69,7 +69,45 @@ def test_batched_greedy_equals_single_stream(depth, loaded):
         assert out[k] == ref, f"request {k} differs from its single-stream output"
     assert out["d"][2] == "stop" and len(out["d"][0]) < max_tokens["d"]
     assert mixed_rounds > 0, "no round had rows accepting different numbers of drafts"
-    assert not sched.has_work() and sched.batch is None and not sched.rows
+    assert not sched.has_work() and not sched.batch.rows and sched.batch.caches is None and not sched.seqs
+
+
+def test_rows_draft_their_own_depths_in_one_batch(loaded):
+    """Rows asking depths 0, 1, 2 and 3 share every round (the window is 4 wide):
+    each row's output is its single-stream output, and its stats count its own drafts."""
+    lm = loaded("qwen3_5", agreeable=True)
+    depths = {"d0": 0, "d1": 1, "d2": 2, "d3": 3}
+    prompts = {"d0": [3, 4, 5], "d1": list(range(40, 60)), "d2": [9] * 12, "d3": [100, 101, 7]}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=8, prefill_chunk=64, policy=DepthPolicy(max_depth=3, fixed=True))
+    for k, p in prompts.items():
+        sched.add(k, p, params, depths[k])
+    out, stats, windows = {k: [] for k in prompts}, {}, set()
+    while sched.has_work():
+        for key, chunk in sched.step():
+            out[key] += chunk.token_ids
+            stats[key] = chunk.stats
+        if len(sched.last_round) == 4:
+            assert {k: d for k, (d, _) in sched.last_round.items()} == depths
+            windows.add(max(d for d, _ in sched.last_round.values()))
+    assert windows == {3}
+    for k, d in depths.items():
+        ref, ref_stats = single_stream_stats(lm, prompts[k], params, d)
+        assert out[k] == ref, k
+        st = stats[k]
+        assert st.depth == d and len(st.drafted) == d
+        assert st.drafted == [st.backbone_passes] * d  # every round drafted d tokens
+        assert st.accepted == ref_stats.accepted  # the same acceptance per position as alone
+        if d:
+            assert 0 < sum(st.accepted) < sum(st.drafted)
+
+
+def single_stream_stats(lm, prompt, params, depth):
+    toks, stats = [], None
+    for c in generate(lm.model, lm.tokenizer, prompt, params, depth):
+        toks += c.token_ids
+        stats = c.stats
+    return toks, stats
 
 
 def test_isolation_same_output_whatever_the_neighbours(loaded):
@@ -83,14 +121,25 @@ def test_isolation_same_output_whatever_the_neighbours(loaded):
         assert out["t"] == alone["t"]
 
 
-def test_sampled_and_greedy_rows_share_a_batch_with_plain_depth(loaded):
-    """Greedy rows stay exact beside sampled rows; rows with depth 0 cap the batch's depth."""
+def test_sampled_greedy_and_plain_rows_share_a_batch(loaded):
+    """Greedy rows stay exact beside a sampled row and a plain (depth 0) row, which
+    drafts nothing while its neighbours draft."""
     lm = loaded("qwen3_5", agreeable=True)
     greedy = ([30, 31, 32], SamplingParams(max_tokens=30, ignore_eos=True))
+    plain = ([50, 51, 52, 53], SamplingParams(max_tokens=30, ignore_eos=True))
     sampled = ([40, 41], SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=3))
-    out, _, _ = drive(lm, {"g": greedy, "s": sampled}, 2)
-    assert out["g"][0] == single_stream(lm, *greedy, 2)[0]
-    assert len(out["s"][0]) == 30
+    sched = Scheduler(lm.model, lm.tokenizer, policy=DepthPolicy(max_depth=2, fixed=True))
+    for key, (prompt, params), depth in (("g", greedy, 2), ("p", plain, 0), ("s", sampled, 2)):
+        sched.add(key, prompt, params, depth)
+    out, stats = {"g": [], "p": [], "s": []}, {}
+    while sched.has_work():
+        for key, chunk in sched.step():
+            out[key] += chunk.token_ids
+            stats[key] = chunk.stats
+    assert out["g"] == single_stream(lm, *greedy, 2)[0]
+    assert out["p"] == single_stream(lm, *plain, 0)[0]
+    assert len(out["s"]) == 30
+    assert sum(stats["p"].drafted) == 0 and sum(stats["g"].drafted) > 0 and sum(stats["s"].drafted) > 0
 
 
 def test_adaptive_policy_explores_and_stays_exact(loaded):
@@ -123,28 +172,6 @@ def test_batched_sampling_matches_plain_distribution(loaded):
         assert p > 0.001, f"position {pos}: p={p:.2g}"
 
 
-def test_depth_policy_picks_the_measured_best_and_ignores_warm_up_rounds():
-    cost = {0: 0.010, 1: 0.012, 2: 0.015}  # seconds per batched round of 4 rows
-
-    def run(policy, acceptance, rounds):
-        chosen = []
-        for _ in range(rounds):
-            K = policy.choose(4, 2)
-            first = policy.samples.get((4, K), 0) == 0
-            # the first round of each depth is slow (allocation, kernel compilation)
-            policy.observe(4, K, cost[K] * (50 if first else 1), [(round(4 * acceptance), 4)] * K)
-            chosen.append(K)
-        return chosen
-
-    good = DepthPolicy(max_depth=2)
-    chosen = run(good, 0.9, 40)
-    assert chosen[-10:] == [2] * 10, chosen  # 1 + .9 + .81 tokens for 1.5x the cost of a plain round
-    bad = DepthPolicy(max_depth=2)
-    chosen = run(bad, 0.1, 200)
-    assert chosen[-10:] == [0] * 10, chosen  # drafting never pays at 10% acceptance
-    assert chosen[20:].count(1) + chosen[20:].count(2) >= 2  # ... but stale depths are re-measured now and then
-
-
 @pytest.mark.parametrize("family", ["qwen3_6_moe", "qwen3_next"])
 def test_batched_moe_families_equal_single_stream(family, loaded):
     """MoE layers (and Qwen3-Next's GatedDeltaNet layout) through the batched, compiled path."""
@@ -155,3 +182,18 @@ def test_batched_moe_families_equal_single_stream(family, loaded):
     for k, (prompt, params) in reqs.items():
         assert out[k][0] == single_stream(lm, prompt, params, 2)[0], k
     assert mixed_rounds > 0
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_at_any_depth(loaded):
+    """A seeded request's tokens depend on its seed only: not on MTP, the depth, the
+    policy's choices or what shares its batch (per-position noise, see sampling.py)."""
+    lm = loaded("qwen3_5", agreeable=True)
+    target = ([21, 22, 23, 24], SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, top_p=0.9, seed=1234))
+    alone = single_stream(lm, *target, 0)[0]
+    for depth in (1, 2, 3):
+        assert single_stream(lm, *target, depth)[0] == alone, depth
+    neighbours = {f"n{i}": ([5 + i, 6], SamplingParams(max_tokens=25 + i, ignore_eos=True, temperature=0.8 * i))
+                  for i in range(3)}
+    for depth, policy in ((2, None), (3, DepthPolicy(max_depth=3))):  # fixed depth, then the measured policy
+        out, _, _ = drive(lm, {"t": target, **neighbours}, depth, policy=policy)
+        assert out["t"][0] == alone, depth

@@ -8,8 +8,10 @@ import pytest
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.batch import Batch
+from mtp_serve.engine.prefill import prefill
 from mtp_serve.engine.sequence import new_sequence
-from mtp_serve.engine.speculative import mtp_round, prefill
+from mtp_serve.engine.speculative import run_round
 from mtp_serve.models.caches import SpeculativeGDNCache
 
 TOL = 1e-5
@@ -24,24 +26,25 @@ def _close(a, b):
 def test_commit_after_rejection_equals_cold_forward(family, loaded):
     lm = loaded(family, agreeable=True)
     model = lm.model
-    seq = new_sequence(model, [3, 14, 15, 92, 65, 35], SamplingParams(max_tokens=64, ignore_eos=True), depth=3)
+    seq = new_sequence(model, lm.tokenizer, "r", [3, 14, 15, 92, 65, 35], SamplingParams(max_tokens=64, ignore_eos=True), 3)
     emitted = prefill(model, seq)[0]
+    batch = Batch()
+    batch.add(seq)
     seen_partial = False
     for _ in range(20):
-        before = seq.stats.accepted[:] if seq.stats.accepted else [0, 0, 0]
-        tokens, _ = mtp_round(model, seq)
-        emitted += tokens
-        m = len(tokens) - 1
-        if m < 3:
+        accepted = run_round(model, batch, [3])
+        emitted += accepted.tokens[0]
+        if accepted.counts[0] < 3:
             seen_partial = True
             break
     assert seen_partial, "no round rejected a draft"
     seq.committed = emitted
+    caches = batch.row_caches(seq)
 
     cold = model.make_cache()
     committed = seq.cache_tokens()
     hidden, _ = model.forward(mx.array([committed]), cold)
-    for ours, ref in zip(seq.cache, cold):
+    for ours, ref in zip(caches.backbone, cold):
         if isinstance(ours, SpeculativeGDNCache):
             _close(ours[0], ref[0])  # conv window
             _close(ours[1], ref[1])  # recurrent state
@@ -51,15 +54,15 @@ def test_commit_after_rejection_equals_cold_forward(family, loaded):
             _close(ours.values[..., : ours.offset, :], ref.values[..., : ref.offset, :])
 
     # Head KV: entries p < offset are f(H[p], x[p+1]) over the committed tokens.
-    n = seq.head_cache.offset
+    n = caches.head.offset
     head_ref = model.make_head_cache()
     model.draft(hidden[:, :n], mx.array([committed[1 : n + 1]]), head_ref)
-    _close(seq.head_cache.keys[..., :n, :], head_ref.keys[..., :n, :])
-    _close(seq.head_cache.values[..., :n, :], head_ref.values[..., :n, :])
+    _close(caches.head.keys[..., :n, :], head_ref.keys[..., :n, :])
+    _close(caches.head.values[..., :n, :], head_ref.values[..., :n, :])
     # ... and the owed pairs cover the rest up to the primary.
-    assert seq.pending_hidden.shape[1] == len(committed) - n
-    _close(seq.pending_hidden, hidden[:, n:])
-    assert seq.pending_tokens == committed[n + 1 :] + [seq.primary]
+    assert seq.owed.hidden.shape[1] == len(committed) - n
+    _close(seq.owed.hidden, hidden[:, n:])
+    assert seq.owed.tokens == committed[n + 1 :] + [seq.primary]
 
 
 def _run(lm, prompt, depth, cache=None, max_tokens=24, checkpoints=()):
@@ -105,14 +108,3 @@ def test_checkpoint_serves_a_prompt_that_diverges_after_it(depth, loaded):
     warm, stats = _run(lm, nxt, depth, cache)
     assert stats.cached_tokens == len(shared)
     assert warm == _run(lm, nxt, depth)[0]
-
-
-def test_prompt_cache_is_bounded_lru():
-    from mtp_serve.engine.prompt_cache import Snapshot
-
-    cache = PromptCache(max_entries=2)
-    for i in range(3):
-        cache.store(Snapshot(tokens=(i, i + 1, i + 2), cache=[], head_cache=None, owed_hidden=None))
-    assert len(cache) == 2
-    assert cache.lookup([0, 1, 2, 3], needs_head=False) is None  # evicted first
-    assert cache.lookup([2, 3, 4, 5], needs_head=False) is not None

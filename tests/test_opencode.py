@@ -1,54 +1,24 @@
 """End to end: one `opencode run` turn against the server (offline).
 
-opencode comes from npm (`npm install opencode-ai`); the test looks for the
-binary at $OPENCODE_BIN, then where `./install.sh --test` puts it
-(.work/opencode/node_modules/.bin), then ./node_modules/.bin. Without it the
-test skips, saying so, except in CI (CI=true), where it fails.
+opencode comes from npm (`npm install opencode-ai`); tests/npm_clients.py finds it
+($OPENCODE_BIN, or where `./install.sh --test` puts it).
 One turn sends two streamed chat requests (a short title request and the main
 one, whose system prompt and tool schemas are ~12k tokens with the byte tokenizer).
 """
 
 import json
 import os
-import re
 import shutil
 import subprocess
-from pathlib import Path
 
-import pytest
-
+from npm_clients import metric, npm_bin
 from test_server_support import serve
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def opencode_bin():
-    candidates = [
-        os.environ.get("OPENCODE_BIN"),
-        str(REPO / ".work/opencode/node_modules/.bin/opencode"),
-        "node_modules/.bin/opencode",
-        str(REPO / "node_modules/.bin/opencode"),
-    ]
-    for c in candidates:
-        if c and Path(c).is_file() and os.access(c, os.X_OK):
-            return str(Path(c).absolute())
-    return None
-
-
-def _metric(text: str, pattern: str) -> float:
-    m = re.search(pattern + r" ([0-9.e+]+)", text)
-    return float(m.group(1)) if m else 0.0
 
 
 def test_opencode_completes_a_turn(checkpoint_dir, tmp_path):
     import httpx
 
-    if opencode_bin() is None:
-        reason = "opencode not installed: run ./install.sh --test or set OPENCODE_BIN"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-
+    opencode = npm_bin("opencode", "opencode", "OPENCODE_BIN")
     server = serve(checkpoint_dir("qwen3_5", agreeable=True), served_model_name="tiny", mtp_depth=2, max_context=65536)
     try:
         work, home = tmp_path / "work", tmp_path / "home"
@@ -70,14 +40,14 @@ def test_opencode_completes_a_turn(checkpoint_dir, tmp_path):
         # opencode reads OPENCODE_* variables itself (and XDG_* for its dirs): keep them out.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "OPENCODE"))}
         env.update(HOME=str(home), PWD=str(work))  # opencode takes its project directory from $PWD
-        r = subprocess.run([opencode_bin(), "run", "--pure", "-m", "local/tiny", "Say hello"], cwd=work, env=env,
+        r = subprocess.run([opencode, "run", "--pure", "-m", "local/tiny", "Say hello"], cwd=work, env=env,
                            capture_output=True, text=True, timeout=420)
         metrics = httpx.get(server.root + "/metrics").text
-        ok = _metric(metrics, r'mtp_requests_total\{endpoint="/v1/chat/completions",status="200"\}')
+        ok = metric(metrics, r'mtp_requests_total\{endpoint="/v1/chat/completions",status="200"\}')
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert ok >= 1, metrics
-        assert _metric(metrics, "mtp_completion_tokens_total") > 0
-        assert _metric(metrics, "mtp_prompt_tokens_total") > 1000  # the agent's system prompt and tools
+        assert metric(metrics, "mtp_completion_tokens_total") > 0
+        assert metric(metrics, "mtp_prompt_tokens_total") > 1000  # the agent's system prompt and tools
         assert server.service.engine.active_count == 0
     finally:
         server.stop()

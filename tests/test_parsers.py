@@ -18,10 +18,7 @@ from mtp_serve.server.parsers import (
     convert_param_value,
     detect_tool_parser,
     make_tool_parser,
-    parse_output,
-    parse_tool_calls,
     prompt_opens_reasoning,
-    split_reasoning,
 )
 
 # ------------------------------------------------------------------ helpers
@@ -87,18 +84,15 @@ def calls_summary(calls):
     return out
 
 
-def assert_stream_equivalent(fmt, tools, text, incremental_too=True):
-    """Every chunking, in both modes, gives the non-streamed parse_all result."""
-    content, calls = parse_tool_calls(text, fmt, tools)
-    expected = (content, calls_summary(calls))
-    modes = (False, True) if incremental_too else (False,)
-    for incremental in modes:
-        for chunks in chunkings(text):
-            p = make_tool_parser(fmt, tools, incremental=incremental)
-            events = run_tools(p, chunks)
-            assert summary(events) == expected, (incremental, chunks)
-            assert p.has_tool_calls == bool(calls)
-            assert calls_summary(p.tool_calls) == expected[1]
+def assert_stream_equivalent(fmt, tools, text):
+    """Every chunking gives what the whole text fed at once gives (the non-streamed result)."""
+    whole = make_tool_parser(fmt, tools)
+    expected = summary(run_tools(whole, [text]))
+    assert whole.has_tool_calls == bool(expected[1])
+    for chunks in chunkings(text):
+        p = make_tool_parser(fmt, tools)
+        assert summary(run_tools(p, chunks)) == expected, chunks
+        assert p.has_tool_calls == bool(expected[1])
     return expected
 
 
@@ -116,7 +110,8 @@ def reasoning_stream(chunks, **kw):
 
 
 def assert_reasoning_equivalent(text, **kw):
-    expected = split_reasoning(text, **kw)
+    r, c = reasoning_stream([text], **kw)
+    expected = (r or None, c)
     for chunks in chunkings(text):
         r, c = reasoning_stream(chunks, **kw)
         assert ((r or None), c) == expected, chunks
@@ -152,9 +147,6 @@ def test_reasoning_tool_call_ends_reasoning():
         "I should call the tool.",
         "<tool_call>\n<function=f>\n</function>\n</tool_call>",
     )
-    # Disabled: the tag stays in the reasoning.
-    r, c = assert_reasoning_equivalent(text, end_on_tool_call=False)
-    assert r == text and c == ""
 
 
 def test_reasoning_thinking_off_is_all_content():
@@ -402,17 +394,26 @@ def test_xml_malformed_is_verbatim_content(text):
 
 
 def test_xml_unclosed_block():
+    # Cut off (max_tokens) inside a call: verbatim content, streamed or not.
     text = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
-    # Non-streaming / incremental=False: verbatim content.
-    assert assert_stream_equivalent("qwen3_coder", TOOLS, text, incremental_too=False) == (text, [])
-    # Incremental streaming committed the call: it is closed with what arrived.
-    for chunks in chunkings(text):
-        p = make_tool_parser("qwen3_coder", TOOLS)
-        assert summary(run_tools(p, chunks)) == ("Checking.", [("get_weather", {"city": "Par"})])
-        assert p.has_tool_calls
-    # Not yet committed (name incomplete): content in both modes.
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (text, [])
     text = "Checking.\n<tool_call>\n<function=get_wea"
     assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (text, [])
+
+
+def test_xml_call_without_tool_call_wrapper():
+    """`<function=...>` alone (the model left out `<tool_call>`), as vLLM accepts it: a call
+    when the function is a declared tool, streamed in any chunks."""
+    bare = "<function=get_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare) == ("", [("get_weather", {"city": "Dallas", "days": 2})])
+    text = "Let me check.\n" + bare + "\n</tool_call>\n" + xml_call("ping") + "\nDone."
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (
+        "Let me check.Done.", [("get_weather", {"city": "Dallas", "days": 2}), ("ping", {})])
+    # Not a declared tool, no tools declared, or never closed: text.
+    unknown = "See <function=launch>\n<parameter=n>\n1\n</parameter>\n</function> here"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, unknown) == (unknown, [])
+    assert assert_stream_equivalent("qwen3_coder", None, bare) == (bare, [])
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare[:-len("</function>")]) == (bare[:-len("</function>")], [])
 
 
 def test_xml_malformed_then_valid():
@@ -430,24 +431,14 @@ def test_xml_no_tools_accepts_any_name():
     assert assert_stream_equivalent("qwen3_coder", None, text)[1] == [("anything", {"x": "1"})]
 
 
-def test_xml_incremental_streaming_is_early():
+def test_xml_call_is_sent_when_its_block_closes():
+    """Nothing of a block goes out before `</tool_call>`: a cut-off call can still be content."""
     p = make_tool_parser("qwen3_coder", TOOLS)
-    evs = p.feed("Hi\n<tool_call>\n<function=write_file>")
-    assert [type(e) for e in evs] == [ContentDelta, ToolCallStart]  # start sent at the header
-    assert evs[0].text == "Hi" and evs[1].name == "write_file"
-    evs = p.feed("\n<parameter=content>\nline one\nline")
-    args = "".join(e.text for e in evs if isinstance(e, ToolCallArgsDelta))
-    assert args.endswith('"line one\\nline')  # string value streamed before </parameter>
-    rest = run_tools(p, ["s\n</parameter>\n</function>\n</tool_call>"])
-    assert "".join(e.text for e in rest if isinstance(e, ToolCallArgsDelta)) == 's"}'
-    assert json.loads(p.tool_calls[0]["function"]["arguments"]) == {"content": "line one\nlines"}
-
-    # incremental=False holds everything until </tool_call>.
-    p = make_tool_parser("qwen3_coder", TOOLS, incremental=False)
-    evs = p.feed("<tool_call>\n<function=write_file>\n<parameter=content>\nabc\n</parameter>\n</function>\n")
-    assert evs == []
+    evs = p.feed("Hi\n<tool_call>\n<function=write_file>\n<parameter=content>\nabc\n</parameter>\n</function>\n")
+    assert evs == [ContentDelta("Hi")] and not p.has_tool_calls
     evs = p.feed("</tool_call>")
-    assert [type(e) for e in evs] == [ToolCallStart, ToolCallArgsDelta]
+    assert [type(e) for e in evs] == [ToolCallStart, ToolCallArgsDelta] and p.has_tool_calls
+    assert json.loads(evs[1].text) == {"content": "abc"}
 
 
 # ------------------------------------------------------------------ hermes
@@ -503,13 +494,10 @@ def test_hermes_malformed_then_valid():
 # ------------------------------------------------------------------ factory, detection
 
 
-def test_none_parser_passthrough():
+def test_no_tool_parser_passthrough():
     text = "a <tool_call>\n<function=ping>\n</function>\n</tool_call>\n"
-    p = make_tool_parser("none", TOOLS)
-    assert summary(run_tools(p, list(text))) == (text, [])
-    assert not p.has_tool_calls
-    assert parse_tool_calls(text, "none") == (text, [])
-    assert make_tool_parser(None).parse_all("x") == ("x", [])
+    p, events = run_output(lambda: OutputParser(None, None), list(text))
+    assert output_summary(events) == (None, text, []) and not p.has_tool_calls
     with pytest.raises(ValueError):
         make_tool_parser("bogus")
 
@@ -564,8 +552,6 @@ def test_output_parser_reasoning_then_tools(fmt):
             return OutputParser(ReasoningParser(thinking), make_tool_parser(fmt, TOOLS))
 
         expected = (reasoning, content, [("get_weather", {"city": "Paris"})])
-        res = parse_output(text, reasoning=ReasoningParser(thinking), tools=make_tool_parser(fmt, TOOLS))
-        assert (res.reasoning, res.content, calls_summary(res.tool_calls)) == expected
         for chunks in chunkings(text, n_random=6):
             p, events = run_output(make, chunks)
             assert output_summary(events) == expected, chunks
@@ -578,16 +564,12 @@ def test_output_parser_without_components():
     assert output_summary(events) == (None, text, [])
     p, events = run_output(lambda: OutputParser(ReasoningParser(True), None), list(text))
     assert output_summary(events) == ("x", "y", [])
-    assert not p.has_tool_calls and p.tool_calls == []
+    assert not p.has_tool_calls
 
 
-def test_parse_output_non_streaming():
-    res = parse_output(
-        "Think.\n</think>\n\nAnswer.\n<tool_call>\n<function=ping>\n",
-        reasoning=ReasoningParser(True),
-        tools=make_tool_parser("qwen3_coder", TOOLS),
-    )
-    # Unclosed call: content, verbatim, in the non-streaming helper.
-    assert res.reasoning == "Think."
-    assert res.content == "Answer.\n<tool_call>\n<function=ping>\n"
-    assert res.tool_calls == []
+def test_output_parser_unclosed_call_is_content():
+    text = "Think.\n</think>\n\nAnswer.\n<tool_call>\n<function=ping>\n"
+    for chunks in chunkings(text, n_random=4):
+        p, events = run_output(lambda: OutputParser(ReasoningParser(True), make_tool_parser("qwen3_coder", TOOLS)), chunks)
+        # Unclosed call (cut off): content, verbatim.
+        assert output_summary(events) == ("Think.", "Answer.\n<tool_call>\n<function=ping>\n", [])

@@ -1,4 +1,6 @@
-"""Sampled MTP output has the plain sampler's distribution.
+"""Sampled MTP output has the plain sampler's distribution, for both samplers:
+unseeded requests (rejection sampling of the drafts) and seeded ones (per-position
+noise, which also makes them reproducible whatever the depth or the batch).
 
 Two-sample chi-square per output position over 1,000 short samples each, at
 temperature 1 with top-k and top-p, and with penalties and min-p, on a model whose head is accepted often
@@ -20,16 +22,15 @@ PROMPT = [11, 22, 33, 44, 55, 66]
 
 
 def sample_many(lm, depth, seed0, params_kw, n=N_SAMPLES):
-    cache = PromptCache(max_entries=4)
+    """n samples; seeds seed0, seed0+1, ... (None: unseeded requests)."""
+    cache = PromptCache(max_bytes=1 << 20)  # the prompt's snapshot stays (in use), the replies' go
     list(generate(lm.model, lm.tokenizer, PROMPT[:-1], SamplingParams(max_tokens=1, ignore_eos=True), depth, cache))
     seqs, drafted, accepted = [], 0, 0
     for i in range(n):
-        params = SamplingParams(max_tokens=N_POS, ignore_eos=True, seed=seed0 + i, **params_kw)
+        params = SamplingParams(max_tokens=N_POS, ignore_eos=True, seed=None if seed0 is None else seed0 + i, **params_kw)
         out = []
         for chunk in generate(lm.model, lm.tokenizer, PROMPT, params, depth, cache):
             out += chunk.token_ids
-        cache._entries.pop(tuple(PROMPT + out[:-1]), None)  # keep only the prompt snapshot
-        cache._entries.pop(tuple(PROMPT), None)
         seqs.append(out)
         drafted += sum(chunk.stats.drafted)
         accepted += sum(chunk.stats.accepted)
@@ -47,10 +48,11 @@ def chi2_pvalue(a, b):
     # Penalties see the drafted prefix as generated history; min-p filters after temperature.
     {"temperature": 1.0, "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2},
 ], ids=["topk-topp", "penalties-minp"])
-def test_mtp_sampling_matches_plain_distribution(params_kw, loaded):
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
+def test_mtp_sampling_matches_plain_distribution(params_kw, seeded, loaded):
     lm = loaded("qwen3_5", agreeable=True)
-    plain, _ = sample_many(lm, 0, 0, params_kw)
-    mtp, (accepted, drafted) = sample_many(lm, 2, 10**6, params_kw)
+    plain, _ = sample_many(lm, 0, 0 if seeded else None, params_kw)
+    mtp, (accepted, drafted) = sample_many(lm, 2, 10**6 if seeded else None, params_kw)
     assert accepted >= 50 and drafted - accepted >= 50, f"{accepted}/{drafted} accepted: accept and reject paths must both run"
     for pos in range(N_POS):
         p = chi2_pvalue([s[pos] for s in plain], [s[pos] for s in mtp])
@@ -58,9 +60,9 @@ def test_mtp_sampling_matches_plain_distribution(params_kw, loaded):
     # Pairs of consecutive tokens (the second is drafted after the first within a round).
     p = chi2_pvalue([tuple(s[1:3]) for s in plain], [tuple(s[1:3]) for s in mtp])
     assert p > 0.001, f"joint distribution of positions 1-2 differs (p={p:.2g})"
-    # The same seed reproduces the same sample.
-    again, _ = sample_many(lm, 2, 10**6, params_kw, n=20)
-    assert again == mtp[:20]
+    if seeded:  # the same seed reproduces the same sample, with MTP on or off
+        assert sample_many(lm, 2, 10**6, params_kw, n=20)[0] == mtp[:20]
+        assert sample_many(lm, 0, 10**6, params_kw, n=20)[0] == mtp[:20]
 
 
 def test_rejection_sampler_detects_a_wrong_distribution(loaded):

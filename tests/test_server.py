@@ -24,7 +24,7 @@ def ckpt(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def mtp_server(ckpt):
-    s = serve(ckpt, mtp_depth=2)
+    s = serve(ckpt, mtp_depth=2, fixed_depth=True)  # the tiny model: drafting would not pay, the policy would stop it
     yield s
     s.stop()
 
@@ -83,7 +83,10 @@ def test_chat_non_streaming_and_streaming_agree(mtp_server):
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
     u = full.usage
     assert u.completion_tokens == 16 and u.total_tokens == u.prompt_tokens + 16
-    assert u.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again: the second request reuses the first one's prefill.
+    again = chat(mtp_server)
+    assert again.choices[0].message.content == choice.message.content
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
     spec = u.model_extra["speculative"]
     assert spec["depth"] == 2 and spec["drafted"] >= spec["accepted"] >= 0 and 0 <= spec["acceptance_rate"] <= 1
 
@@ -240,7 +243,8 @@ def _post(server, body, path="/chat/completions", **kw):
     ({"messages": []}, "messages"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
     ({"n": 2}, "n"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content"),
 ])
@@ -365,3 +369,16 @@ def test_next_turn_reuses_the_prompt_before_a_re_rendered_reply(demo_servers):
     cold = chat(cold_server, model="demo", messages=turn2, max_tokens=16, extra_body={"mtp_depth": 2})
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_system_messages_join_the_first(demo_servers):
+    """The demo model's (Qwen3.5) template takes one system message, first; Codex sends two
+    developer messages and Claude Code system turns: they join the first one."""
+    server = demo_servers[0]
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"},
+            {"role": "system", "content": "Be brief."}]
+    assert chat(server, model="demo", messages=msgs, max_tokens=2).usage.completion_tokens == 2
+    r = httpx.post(server.base_url + "/responses", timeout=60, json={"model": "demo", "max_output_tokens": 2, "input": [
+        {"role": "developer", "content": "You write Python."}, {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "def add(a, b):"}]})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text

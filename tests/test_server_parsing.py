@@ -6,26 +6,21 @@ import json
 import openai
 import pytest
 
-from test_server_support import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve, write_scripted_checkpoint
+from test_server_support import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve
 
 WEATHER_PT, OSLO, HI, BROKEN, ROME = (s[0] for s in SCRIPT)
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    return write_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model")
-
-
-@pytest.fixture(scope="module")
-def xml_server(scripted):
-    s = serve(scripted, mtp_depth=2)  # tool parser "auto": the Qwen3.5 card's qwen3_coder
+def xml_server(scripted_checkpoint):
+    s = serve(scripted_checkpoint, mtp_depth=2)  # tool parser "auto": the Qwen3.5 card's qwen3_coder
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def hermes_server(scripted):
-    s = serve(scripted, tool_call_parser="hermes")
+def hermes_server(scripted_checkpoint):
+    s = serve(scripted_checkpoint, tool_call_parser="hermes")
     yield s
     s.stop()
 

@@ -8,15 +8,11 @@ import logging
 import sys
 
 from mtp_serve import BACKEND
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from mtp_serve.cli.common import OneLineParser, encode_prompt, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="mtp-generate", description="Generate text with MTP speculative decoding.")
+    p = OneLineParser(prog="mtp-generate", description="Generate text with MTP speculative decoding.")
     p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
@@ -27,8 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int)
     depth = p.add_mutually_exclusive_group()
-    depth.add_argument("--mtp-depth", type=int, help="drafts per round (default: the model card's)")
+    depth.add_argument("--mtp-depth", type=int, help="most drafts per round (default: the model card's); the depth "
+                       "of each round is chosen up to it from measured costs and acceptance, as mtp-serve does")
     depth.add_argument("--no-mtp", action="store_true", help="plain decoding")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
+                   "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, finish_reason, stats")
     return p
 
@@ -37,37 +37,33 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.policy import DepthPolicy
     from mtp_serve.engine.sampling import SamplingParams
     from mtp_serve.models.demo_model import default_model_path
-    from mtp_serve.models.loader import CheckpointError, load_model
+    from mtp_serve.models.loader import load_model
 
-    def fail(msg: str) -> int:
-        print(f"mtp-generate: error: {msg}", file=sys.stderr)
-        return 1
+    def error(msg: str) -> int:
+        return fail("mtp-generate", msg)
 
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
-        return fail("--mtp-depth must be between 1 and 8")
+        return error("--mtp-depth must be between 1 and 8")
     try:
         params = SamplingParams(
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             seed=args.seed, max_tokens=args.max_tokens,
         )
-        lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp)
+        lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp, draft_vocab=args.draft_vocab)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
-        return fail(str(e))
+        return error(str(e))
     tok = lm.tokenizer
-    if args.chat:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
-    else:
-        prompt_ids = tok.encode(args.prompt)
+    prompt_ids = encode_prompt(tok, args.prompt, args.chat)
     if not prompt_ids:
-        return fail("the prompt encodes to no tokens")
+        return error("the prompt encodes to no tokens")
     depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
 
     text, ids, chunk = [], [], None
-    for chunk in generate(lm.model, tok, list(prompt_ids), params, depth):
+    policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth)
+    for chunk in generate(lm.model, tok, prompt_ids, params, depth, policy=policy):
         ids += chunk.token_ids
         text.append(chunk.text)
         if not args.json:

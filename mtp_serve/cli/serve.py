@@ -13,31 +13,52 @@ import sys
 from pathlib import Path
 
 from mtp_serve import BACKEND
+from mtp_serve.cli.common import OneLineParser, byte_size, fail
+from mtp_serve.server.limits import Limits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
+    p = OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
     p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
     p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
-    p.add_argument("--mtp-depth", type=int, help="drafts per round with --enable-mtp (default: the model card's)")
+    p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
+                   "each request's depth is chosen up to it from measured costs and its own acceptance")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
+                   "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for an engine slot (then 429)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health")
+    p.add_argument("--metrics-without-key", action="store_true", help="with --api-key: leave /metrics open to a scraper")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the free batch slots (then 429)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
     p.add_argument("--max-context", type=int, help="longest prompt plus completion, in tokens (default: the model's)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, metavar="SIZE",
+                   help="memory for reusable model state across requests, e.g. 8G (default: a quarter of the memory "
+                        "available at start-up; 0 turns the prompt cache off)")
+    p.add_argument("--prompt-cache-interval", type=int, metavar="TOKENS",
+                   help="also snapshot every TOKENS tokens inside long messages (default: measured per model; 0: only "
+                        "at message boundaries)")
+    p.add_argument("--prompt-cache-dir", metavar="DIR", help="keep snapshots on disk too, in DIR: they survive restarts")
+    p.add_argument("--prompt-cache-disk-bytes", type=byte_size, metavar="SIZE",
+                   help="most disk space for --prompt-cache-dir (default: half the free space, at most 16G)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
+    p.add_argument("--default-max-tokens", type=int, help="completion length of a request without max_tokens "
+                   "(default: the rest of the context)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special tokens (<|im_end|>, ...) in message text as control tokens, not as text")
+    limits = Limits()
+    p.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes, help="largest request body (then 413)")
+    p.add_argument("--max-messages", type=int, default=limits.max_messages, help="messages (or input items) per request")
+    p.add_argument("--max-tools", type=int, default=limits.max_tools, help="tools per request")
+    p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="deepest JSON nesting in a request")
+    p.add_argument("--max-stop", type=int, default=limits.max_stop, help="stop sequences per request")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     return p
 
@@ -47,42 +68,57 @@ def main(argv=None) -> int:
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
-    def fail(msg: str) -> int:
-        print(f"mtp-serve: error: {msg}", file=sys.stderr)
-        return 1
+    def error(msg: str) -> int:
+        return fail("mtp-serve", msg)
 
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
-        return fail("--mtp-depth must be between 1 and 8")
+        return error("--mtp-depth must be between 1 and 8")
     if args.max_queue < 1:
-        return fail("--max-queue must be at least 1")
+        return error("--max-queue must be at least 1")
     if args.max_batch_size < 1 or args.prefill_chunk < 1:
-        return fail("--max-batch-size and --prefill-chunk must be at least 1")
+        return error("--max-batch-size and --prefill-chunk must be at least 1")
     if args.max_context is not None and args.max_context < 2:
-        return fail("--max-context must be at least 2")
+        return error("--max-context must be at least 2")
+    small = [f for f in ("max_request_bytes", "max_messages", "max_tools", "max_json_depth", "max_stop", "default_max_tokens")
+             if getattr(args, f) is not None and getattr(args, f) < 1]
+    if small:
+        return error(f"--{small[0].replace('_', '-')} must be at least 1")
+    if args.prompt_cache_interval is not None and args.prompt_cache_interval < 0:
+        return error("--prompt-cache-interval must be 0 or more")
+    if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
+        return error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+    if args.prompt_cache_dir:
+        try:
+            Path(args.prompt_cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return error(f"--prompt-cache-dir: {e}")
     if args.chat_template is not None:
         import os
 
         if not os.path.isfile(args.chat_template):
-            return fail(f"--chat-template: no such file: {args.chat_template}")
+            return error(f"--chat-template: no such file: {args.chat_template}")
 
     import uvicorn
 
     from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.models.loader import CheckpointError, load_model
-    from mtp_serve.server.app import ServerConfig, create_app, generation_defaults
+    from mtp_serve.server.app import create_app
+    from mtp_serve.server.service import ServerConfig, generation_defaults
 
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp)
+        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab)
     except FileNotFoundError as e:
-        return fail(str(e))
+        return error(str(e))
     except CheckpointError as e:
-        return fail(str(e))
+        return error(str(e))
 
     depth = 0
     if loaded.model.has_mtp:
         depth = args.mtp_depth or loaded.card.default_mtp_depth
-        mtp = f"MTP on, depth {depth}"
+        mtp = (f"MTP on, depth {depth}" if depth else
+               "MTP off by default: mtp-tune found it slower on this machine (mtp_serve.json default_mtp_depth 0; "
+               "--mtp-depth K or a request's mtp_depth turns it on)")
     elif args.enable_mtp:
         mtp = loaded.mtp_status.replace("MTP off:", "MTP off (requested with --enable-mtp, but") + ")"
     else:
@@ -97,23 +133,39 @@ def main(argv=None) -> int:
         max_active=args.max_batch_size,
         prefill_chunk=args.prefill_chunk,
         mtp_depth=depth,
+        fixed_depth=args.fixed_depth,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_interval=args.prompt_cache_interval,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         sampling_defaults=generation_defaults(loaded.path),
+        limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
+                      max_json_depth=args.max_json_depth, max_stop=args.max_stop),
+        default_max_tokens=args.default_max_tokens,
+        special_tokens_in_content=args.allow_special_tokens_in_content,
+        metrics_without_key=args.metrics_without_key,
     )
-    app = create_app(loaded, config)
+    try:
+        app = create_app(loaded, config)
+    except OSError as e:  # the prompt cache's folder
+        return error(f"--prompt-cache-dir: {e}")
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"{BACKEND.note}", flush=True)
+    if loaded.mtp_fix:
+        print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
+              flush=True)
     from mtp_serve.engine.warmup import calibrate_blas_threads, warm_up
 
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
     try:
-        log.info("warm-up took %.1fs", warm_up(loaded.model, depth))
-        threads = calibrate_blas_threads(loaded.model)
+        log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
+        threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
         log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
     except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
         log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)

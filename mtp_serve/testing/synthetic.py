@@ -65,17 +65,16 @@ def hf_config(family: str, text: dict) -> dict:
 
 def build_random(family: str, text: dict, seed: int = 0, with_head: bool = True):
     """Random mlx-lm model (+ head) for `family`; returns (model, head, config)."""
-    from mlx_lm.models import qwen3_5, qwen3_next
-    from mlx_lm.utils import _get_classes
+    from mtp_serve.models.mlx_lm_compat import Qwen35DecoderLayer, Qwen3NextDecoderLayer, get_model_classes
 
     config = hf_config(family, text)
     mx.random.seed(seed)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = get_model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     if family == "qwen3_next":
-        args, layer_cls = model.args, qwen3_next.Qwen3NextDecoderLayer
+        args, layer_cls = model.args, Qwen3NextDecoderLayer
     else:
-        args, layer_cls = model.language_model.args, qwen3_5.DecoderLayer
+        args, layer_cls = model.language_model.args, Qwen35DecoderLayer
     head = MTPHead(args, layer_cls) if with_head else None
     # Norms away from exactly 1 so a missing or doubled +1 shift shows up.
     for m in [model] + ([head] if head is not None else []):
@@ -93,7 +92,8 @@ def _unflatten(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
-def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: float = 0.6, n_likely: int = 4, seed: int = 1) -> None:
+def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: float = 0.6, n_likely: int = 4, seed: int = 1,
+                   also_likely: tuple = ()) -> None:
     """Make a random head agree with the backbone often, but not always.
 
     Every layer's output projections (attention, GatedDeltaNet, MLP) are scaled
@@ -101,7 +101,8 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
     x[p+1]; the head's `fc` passes emb(x[p+1]) through and its norms copy the
     backbone's, so the head's guess for x[p+2] tends to match the backbone's.
     The rest of the context (scaled by `mix`) makes them disagree at times.
-    Only `n_likely` tokens get large LM-head rows, so both choose among a few.
+    Only `n_likely` tokens get large LM-head rows, so both choose among a few;
+    `also_likely` ids join them (e.g. EOS, for replies that end after a few sampled tokens).
     """
     lm = model if family == "qwen3_next" else model.language_model
     modules = list(lm.model.layers) + (list(head.layers) if head is not None else [])
@@ -118,6 +119,8 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
     W = lm.lm_head.weight
     keep = mx.zeros((W.shape[0], 1))
     keep[mx.random.permutation(W.shape[0], key=mx.random.key(seed))[:n_likely]] = 1.0
+    for t in also_likely:
+        keep[t] = 1.0
     lm.lm_head.weight = W * (0.05 + 10.0 * keep)
 
 
@@ -163,19 +166,23 @@ def write_synthetic_checkpoint(
     seed: int = 0,
     with_head: bool = True,
     agreeable: bool = False,
+    likely_eos: bool = False,
     mtp_shard: bool = True,
     max_shard_tensors: Optional[int] = 40,
     dtype: mx.Dtype = mx.float32,
     **text_overrides,
 ) -> Path:
-    """Write a random checkpoint of `family` in HF layout with a byte tokenizer."""
+    """Write a random checkpoint of `family` in HF layout with a byte tokenizer.
+
+    `likely_eos` (with `agreeable`): EOS is one of the few likely tokens, so sampled
+    replies end after a handful of tokens (agents' end-to-end tests)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}")
     out_dir = Path(out_dir)
     text = tiny_text_config(family, **text_overrides)
     model, head, config = build_random(family, text, seed=seed, with_head=with_head)
     if agreeable:
-        make_agreeable(model, head, family)
+        make_agreeable(model, head, family, also_likely=(text["eos_token_id"],) if likely_eos else ())
     weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
     save_hf_checkpoint(out_dir, weights, config, dtype=dtype, mtp_shard=mtp_shard, max_shard_tensors=max_shard_tensors)
     write_byte_tokenizer(out_dir)

@@ -1,18 +1,11 @@
 """Streaming output parsers: reasoning (`<think>`) and tool calls (Qwen XML, Hermes JSON)."""
 
 from .events import ContentDelta, Event, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from .output import OutputParser, ParsedOutput, collect, parse_output
-from .reasoning import ReasoningParser, prompt_opens_reasoning, split_reasoning
-from .tools import (
-    HermesToolParser,
-    NoToolParser,
-    Qwen3CoderToolParser,
-    ToolCallParser,
-    convert_param_value,
-    detect_tool_parser,
-    make_tool_parser,
-    parse_tool_calls,
-)
+from .output import OutputParser, ParsedOutput, collect
+from .reasoning import ReasoningParser, prompt_opens_reasoning
+from .tools import detect_tool_parser, make_tool_parser
+from .tools_base import ToolCallParser
+from .tools_qwen3_coder import convert_param_value
 
 __all__ = [
     "ContentDelta",
@@ -23,16 +16,10 @@ __all__ = [
     "OutputParser",
     "ParsedOutput",
     "collect",
-    "parse_output",
     "ReasoningParser",
     "prompt_opens_reasoning",
-    "split_reasoning",
-    "HermesToolParser",
-    "NoToolParser",
-    "Qwen3CoderToolParser",
     "ToolCallParser",
     "convert_param_value",
     "detect_tool_parser",
     "make_tool_parser",
-    "parse_tool_calls",
 ]

@@ -26,10 +26,6 @@ class OutputParser:
     def has_tool_calls(self) -> bool:
         return self.tools is not None and self.tools.has_tool_calls
 
-    @property
-    def tool_calls(self) -> list[dict]:
-        return self.tools.tool_calls if self.tools is not None else []
-
     def feed(self, text: str) -> list[Event]:
         r, c = self.reasoning.feed(text) if self.reasoning else ("", text)
         return self._route(r, c, final=False)
@@ -75,18 +71,3 @@ def collect(events: list[Event]) -> ParsedOutput:
         [calls[i] for i in sorted(calls)],
     )
 
-
-def parse_output(
-    text: str,
-    *,
-    reasoning: ReasoningParser | None = None,
-    tools: ToolCallParser | None = None,
-) -> ParsedOutput:
-    """Non-streaming: run `text` through fresh parsers configured like the given ones.
-
-    The tool parser runs with incremental=False, so an unclosed tool call is content.
-    """
-    r = ReasoningParser(reasoning.starts_in_reasoning, reasoning.end_on_tool_call) if reasoning else None
-    t = type(tools)(tools.tools, incremental=False) if tools is not None else None
-    p = OutputParser(r, t)
-    return collect(p.feed(text) + p.finish())

@@ -34,10 +34,9 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 class ReasoningParser:
     """Streaming splitter. `feed(delta)` and `finish()` return (reasoning_delta, content_delta)."""
 
-    def __init__(self, starts_in_reasoning: bool = True, end_on_tool_call: bool = True):
-        self.starts_in_reasoning = starts_in_reasoning
-        self.end_on_tool_call = end_on_tool_call
-        self._ends = (THINK_END, TOOL_CALL_START) if end_on_tool_call else (THINK_END,)
+    _ends = (THINK_END, TOOL_CALL_START)
+
+    def __init__(self, starts_in_reasoning: bool = True):
         self._buf = ""
         self._state = _START if starts_in_reasoning else _CONTENT
         self._lstrip = False  # drop leading newlines of the section just entered
@@ -54,13 +53,6 @@ class ReasoningParser:
     def finish(self) -> tuple[str, str]:
         """Flush held-back text at the end of the output."""
         return self._run(final=True)
-
-    def split(self, text: str) -> tuple[str | None, str]:
-        """Non-streaming: (reasoning or None when empty, content)."""
-        p = ReasoningParser(self.starts_in_reasoning, self.end_on_tool_call)
-        r1, c1 = p.feed(text)
-        r2, c2 = p.finish()
-        return (r1 + r2) or None, c1 + c2
 
     def _enter(self, state: int) -> None:
         self._state = state
@@ -115,9 +107,3 @@ class ReasoningParser:
                 break
         return "".join(reasoning), "".join(content)
 
-
-def split_reasoning(
-    text: str, starts_in_reasoning: bool = True, end_on_tool_call: bool = True
-) -> tuple[str | None, str]:
-    """Non-streaming helper: (reasoning or None, content)."""
-    return ReasoningParser(starts_in_reasoning, end_on_tool_call).split(text)

@@ -1,0 +1,115 @@
+"""The prompt cache's settings, with defaults from the machine and the model.
+
+    cache = open_prompt_cache(loaded, name="Qwen3.6-27B", disk_dir="~/.cache/mtp-serve/prompts")
+
+- Memory budget: a quarter of the memory available once the model is loaded.
+- Interval (snapshots inside long stretches): measured per model. A snapshot
+  costs its GatedDeltaNet states whatever its position, while the KV it shares
+  grows with the tokens. The interval is the smallest multiple of
+  INTERVAL_ALIGN tokens over which those states cost at most
+  INTERVAL_STATE_SHARE of the KV of the tokens between two snapshots, so the
+  extra snapshots add at most that share to a conversation's memory. Multiples
+  of INTERVAL_ALIGN fall on prefill chunk ends (the server's default chunk and
+  PREFILL_CHUNK divide it), so they cost no extra forward pass.
+- Disk budget: half the free space of the cache's file system, at most 16 GiB.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from mtp_serve.models.fingerprint import weights_fingerprint
+from mtp_serve.models.loader import weight_files
+
+from .prompt_cache import PromptCache
+from .prompt_cache_disk import DiskTier
+
+log = logging.getLogger("mtp_serve.prompt_cache")
+
+MEMORY_SHARE = 0.25
+INTERVAL_STATE_SHARE = 0.25
+INTERVAL_ALIGN = 1024
+DISK_DEFAULT_MAX = 16 << 30
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (Linux: MemAvailable; elsewhere
+    physical memory less what MLX holds)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, total - mx.get_active_memory())
+
+
+@dataclass
+class SnapshotCosts:
+    state_bytes: int  # a snapshot's own GatedDeltaNet states
+    kv_bytes_per_token: int  # attention KV per token, the head's included
+    dtype: str  # of the cached state
+
+
+def snapshot_costs(model) -> SnapshotCosts:
+    """Measured on a two-token forward."""
+    caches = model.make_cache()
+    hidden, _ = model.forward(mx.array([[1, 2]]), caches)
+    head = model.make_head_cache() if model.has_mtp else None
+    if head is not None:
+        model.draft(hidden[:, :1], mx.array([[2]]), head)
+    state, per_token = 0, 0
+    for c in caches + ([head] if head is not None else []):
+        if hasattr(c, "keys"):
+            per_token += 2 * c.keys.nbytes // c.keys.shape[2]
+        else:
+            state += sum(a.nbytes for a in c.cache)
+    return SnapshotCosts(state, per_token, str(hidden.dtype))
+
+
+def auto_interval(costs: SnapshotCosts) -> int:
+    if costs.kv_bytes_per_token == 0:
+        return INTERVAL_ALIGN
+    tokens = costs.state_bytes / (INTERVAL_STATE_SHARE * costs.kv_bytes_per_token)
+    return max(1, math.ceil(tokens / INTERVAL_ALIGN)) * INTERVAL_ALIGN
+
+
+def default_disk_bytes(folder: Path) -> int:
+    folder.mkdir(parents=True, exist_ok=True)
+    return min(DISK_DEFAULT_MAX, shutil.disk_usage(folder).free // 2)
+
+
+def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, interval: Optional[int] = None,
+                      disk_dir: Optional[str] = None, disk_bytes: Optional[int] = None) -> Optional[PromptCache]:
+    """The server's prompt cache (None when `max_bytes` is 0). Raises OSError when the
+    disk folder cannot be created."""
+    if max_bytes is None:
+        max_bytes = int(available_memory() * MEMORY_SHARE)
+    if max_bytes <= 0:
+        return None
+    model = loaded.model
+    costs = snapshot_costs(model)
+    if interval is None:
+        interval = auto_interval(costs)
+    disk = None
+    if disk_dir:
+        folder = Path(disk_dir).expanduser()
+        if disk_bytes is None:
+            disk_bytes = default_disk_bytes(folder)
+        fingerprint = weights_fingerprint(weight_files(loaded.path), f"dtype={costs.dtype}", f"head={model.has_mtp}",
+                                          f"card={model.card}")
+        layout = tuple(bool(layer.is_linear) for layer in model.layers)
+        disk = DiskTier(folder, name, fingerprint, disk_bytes, layout)
+    log.info("prompt cache: %.2f GiB of memory, a snapshot every %d tokens inside long messages%s", max_bytes / 2**30,
+             interval, f"; disk tier {disk.dir} ({disk_bytes / 2**30:.2f} GiB, {len(disk)} snapshots found)" if disk else "")
+    return PromptCache(max_bytes, interval, disk)

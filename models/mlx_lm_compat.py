@@ -1,0 +1,129 @@
+"""Every piece of mlx-lm this project relies on beyond its documented API, in one place.
+
+mtp-serve builds on mlx-lm's model classes, caches and helpers, and in places
+on their internals: private functions (`_get_classes`, `_gated_delta_step_ops`),
+a class swap (the GatedDeltaNet forward, `models/gdn.py`), the fields of its
+cache objects (`BatchKVCache._idx`, `left_padding`, `offset`, ...) and the
+attribute names its layers set in `__init__` (the compiled decode steps and the
+GatedDeltaNet forward read them). All project code imports these names from
+here. At import this module checks that each one is still there and fails
+with one message naming the mlx-lm version found and the one tested, instead
+of an AttributeError deep inside a decode round. The version is pinned in
+pyproject.toml; a newer mlx-lm that still passes these checks only warns.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Iterable
+
+import mlx_lm
+from mlx_lm.models import base as _base
+from mlx_lm.models import cache as _cache
+from mlx_lm.models import gated_delta as _gated_delta
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm import sample_utils as _sample_utils
+from mlx_lm import tokenizer_utils as _tokenizer_utils
+from mlx_lm import utils as _utils
+
+TESTED_MLX_LM = "0.32.2"
+
+log = logging.getLogger("mtp_serve.mlx_lm_compat")
+
+
+class MlxLmIncompatible(ImportError):
+    """The installed mlx-lm lacks something mtp-serve relies on."""
+
+
+def _fail(what: str) -> None:
+    raise MlxLmIncompatible(
+        f"mtp-serve needs mlx-lm {TESTED_MLX_LM} (found {mlx_lm.__version__}): {what}. "
+        f"Install it with: pip install 'mlx-lm=={TESTED_MLX_LM}'"
+    )
+
+
+def _require(owner, names: Iterable[str], where: str) -> None:
+    missing = [n for n in names if not hasattr(owner, n)]
+    if missing:
+        _fail(f"{where} has no {', '.join(missing)}")
+
+
+def _require_init_fields(cls: type, names: Iterable[str]) -> None:
+    """Attributes the class's own __init__ sets (read on instances by this project)."""
+    source = "".join(inspect.getsource(c.__init__) for c in cls.__mro__ if "__init__" in vars(c) and c.__module__.startswith("mlx_lm"))
+    missing = [n for n in names if f"self.{n}" not in source]
+    if missing:
+        _fail(f"{cls.__module__}.{cls.__name__} no longer sets {', '.join(missing)}")
+
+
+# ---------------------------------------------------------------- what is used
+
+_require(_utils, ["_get_classes", "infer_quant_config", "load_tokenizer"], "mlx_lm.utils")
+_require(_gated_delta, ["_gated_delta_step_ops", "compute_g", "gated_delta_update", "normalize_qk"], "mlx_lm.models.gated_delta")
+_require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product_attention"], "mlx_lm.models.base")
+_require(_cache, ["KVCache", "BatchKVCache", "ArraysCache"], "mlx_lm.models.cache")
+_require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
+_require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
+_require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3NextAttention", "Qwen3NextMLP",
+                     "Qwen3NextRMSNormGated"], "mlx_lm.models.qwen3_next")
+
+_require(_cache.BatchKVCache, ["merge", "extend", "filter", "extract", "trim", "make_mask", "update_and_fetch"], "BatchKVCache")
+_require_init_fields(_cache.BatchKVCache, ["_idx", "left_padding", "offset", "keys", "values"])
+_require_init_fields(_cache.KVCache, ["offset", "keys", "values"])
+_require_init_fields(_tokenizer_utils.TokenizerWrapper, ["_tokenizer"])
+_require_init_fields(_cache.ArraysCache, ["cache", "lengths", "left_padding"])
+_require(_cache.ArraysCache, ["advance", "extend", "filter", "extract"], "ArraysCache")
+_require_init_fields(qwen3_5.GatedDeltaNet, [
+    "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "conv_kernel_size", "conv_dim",
+    "conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "dt_bias", "A_log", "norm", "out_proj"])
+_require(qwen3_next.Qwen3NextGatedDeltaNet, ["fix_query_key_value_ordering"], "Qwen3NextGatedDeltaNet")
+_require_init_fields(qwen3_next.Qwen3NextGatedDeltaNet, ["in_proj_qkvz", "in_proj_ba", "conv_kernel_size", "conv_dim"])
+_require_init_fields(qwen3_next.Qwen3NextAttention, [
+    "num_attention_heads", "num_key_value_heads", "scale", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rope"])
+_require_init_fields(qwen3_next.Qwen3NextMLP, ["gate_proj", "up_proj", "down_proj"])
+_require_init_fields(qwen3_next.Qwen3NextRMSNormGated, ["weight", "eps"])
+for _layer in (qwen3_5.DecoderLayer, qwen3_next.Qwen3NextDecoderLayer):
+    _require_init_fields(_layer, ["is_linear", "input_layernorm", "post_attention_layernorm", "mlp"])
+
+if mlx_lm.__version__ != TESTED_MLX_LM:
+    log.warning("mlx-lm %s is installed; mtp-serve was tested with %s (the parts it relies on are present)",
+                mlx_lm.__version__, TESTED_MLX_LM)
+
+# ---------------------------------------------------------------- the names project code imports
+
+get_model_classes = _utils._get_classes
+infer_quant_config = _utils.infer_quant_config
+load_tokenizer = _utils.load_tokenizer
+TokenizerWrapper = _tokenizer_utils.TokenizerWrapper
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+gated_delta_step_ops = _gated_delta._gated_delta_step_ops
+compute_g = _gated_delta.compute_g
+gated_delta_update = _gated_delta.gated_delta_update
+normalize_qk = _gated_delta.normalize_qk
+
+create_attention_mask = _base.create_attention_mask
+create_ssm_mask = _base.create_ssm_mask
+scaled_dot_product_attention = _base.scaled_dot_product_attention
+
+KVCache = _cache.KVCache
+BatchKVCache = _cache.BatchKVCache
+ArraysCache = _cache.ArraysCache
+
+apply_top_k = _sample_utils.apply_top_k
+apply_top_p = _sample_utils.apply_top_p
+apply_min_p = _sample_utils.apply_min_p
+
+Qwen35GatedDeltaNetBase = qwen3_5.GatedDeltaNet
+Qwen35DecoderLayer = qwen3_5.DecoderLayer
+Qwen3NextGatedDeltaNetBase = qwen3_next.Qwen3NextGatedDeltaNet
+Qwen3NextDecoderLayer = qwen3_next.Qwen3NextDecoderLayer
+Qwen3NextAttention = qwen3_next.Qwen3NextAttention
+Qwen3NextMLP = qwen3_next.Qwen3NextMLP
+Qwen3NextRMSNormGated = qwen3_next.Qwen3NextRMSNormGated

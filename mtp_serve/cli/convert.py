@@ -1,0 +1,75 @@
+"""mtp-convert: mlx-lm's conversion, keeping the MTP head.
+
+    mtp-convert --hf-path Qwen/Qwen3.5-4B --mlx-path ./Qwen3.5-4B-4bit -q --q-bits 4
+
+The body is converted (and quantized) by mlx-lm's own `convert`, so the result
+loads in stock mlx-lm for plain decoding; the head, which mlx-lm drops, is then
+grafted from the same source exactly as `mtp-graft` does: unquantized whatever
+the body (unless --quantize-head). Everything is written to a temporary
+directory beside the output and renamed into place at the end. Then the model
+is measured on this machine and the depth that pays is stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mtp_serve.cli.common import OneLineParser
+from mtp_serve.cli.graft import add_head_arguments, report_and_verify
+from mtp_serve.cli.tune import run_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlx_lm.convert import MODEL_CONVERSION_DTYPES, QUANT_RECIPES
+
+    p = OneLineParser(prog="mtp-convert", description="Convert a Hugging Face checkpoint to MLX (mlx-lm's converter), keeping its MTP head.")
+    p.add_argument("--hf-path", "--model", dest="hf_path", required=True, metavar="REPO_OR_DIR",
+                   help="the original checkpoint: Hugging Face repo id or local directory")
+    p.add_argument("--mlx-path", default="mlx_model", help="output directory (must not exist; default mlx_model)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize the body (the head stays unquantized)")
+    p.add_argument("--q-bits", type=int, help="bits per weight (mlx-lm's default: 4)")
+    p.add_argument("--q-group-size", type=int, help="quantization group size (mlx-lm's default: 64)")
+    p.add_argument("--q-mode", default="affine", choices=("affine", "mxfp4", "nvfp4", "mxfp8"))
+    p.add_argument("--quant-predicate", choices=QUANT_RECIPES, help="mlx-lm's mixed-bit recipe for the body")
+    p.add_argument("--dtype", choices=MODEL_CONVERSION_DTYPES,
+                   help="dtype of the unquantized weights, head included (default: the config's torch_dtype)")
+    p.add_argument("--revision", help="branch, tag or commit of the source repo")
+    add_head_arguments(p)
+    return p
+
+
+def _convert(args) -> int:
+    if args.quantize_head and not args.quantize:
+        raise ValueError("--quantize-head needs -q (the head is quantized like the body)")
+    out = Path(args.mlx_path)
+    if out.exists():
+        raise ValueError(f"{out} already exists; choose a new --mlx-path (or graft into it with mtp-graft)")
+    from mlx_lm.convert import convert
+
+    from mtp_serve.models.graft import graft
+    from mtp_serve.models.mtp_source import open_source
+
+    tmp = out.parent / f".{out.name}.mtp-convert-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    try:
+        source = open_source(args.hf_path, args.revision)  # fails early on a source without a head
+        convert(args.hf_path, str(tmp), quantize=args.quantize, q_group_size=args.q_group_size, q_bits=args.q_bits,
+                q_mode=args.q_mode, dtype=args.dtype, revision=args.revision, quant_predicate=args.quant_predicate)
+        result = graft(source, tmp, quantize_head=args.quantize_head, norms=args.norms)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result.target = out
+    return report_and_verify("mtp-convert", result, args)
+
+
+def main(argv=None) -> int:
+    return run_command("mtp-convert", build_parser(), argv, _convert)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

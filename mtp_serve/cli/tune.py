@@ -1,0 +1,284 @@
+"""mtp-tune: measure MTP on this machine and keep the depth that pays.
+
+    mtp-tune MODEL [--max-depth 3] [--tune-tokens 96] [--tune-repeats 3] [--no-save]
+
+Loads the model and decodes a few built-in prompts greedily, plainly and at
+each depth 1..max-depth (modes alternate, round-robin over the repeats, so
+drift on a busy machine hits them alike). Reports whether MTP output equals
+plain output, acceptance per draft position and decode speed against plain
+(best of the repeats: other work on the machine only ever adds time); prints
+a table and a verdict, and stores the chosen depth as `default_mtp_depth` in
+the model's `mtp_serve.json` (0: MTP does not pay here), which mtp-serve and
+mtp-generate use by default. `mtp-graft` and `mtp-convert` run the same
+check after writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from mtp_serve import BACKEND
+from mtp_serve.cli.common import OneLineParser, encode_prompt, fail
+
+# (text, wrap in the chat template): code, as agents and the demo model write it, and chat.
+PROMPTS: Tuple[Tuple[str, bool], ...] = (
+    ('def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n', False),
+    ("class LRUCache:\n    def __init__(self, capacity):\n", False),
+    ("Explain in two sentences what a hash table is.", True),
+)
+MIN_GAIN = 1.05  # a depth must beat plain by this much to be worth turning on
+LOW_ACCEPTANCE = 0.2
+NOISY = 1.3  # repeats of one run differing more than this: say the machine was busy
+BROKEN_HEAD_CAUSES = (
+    "its RMSNorm weights shifted twice or not at all (graft again with --force, and --norms raw|shifted "
+    "if the detected format was wrong); a quantized head (graft without --quantize-head); a head from another "
+    "model or revision than the body; or the wrong hidden fed to it (mtp_hidden in mtp_serve.json: "
+    "post_norm or pre_norm)"
+)
+
+
+@dataclass
+class ModeRun:
+    depth: int  # 0 = plain
+    tokens: Dict[int, int] = field(default_factory=dict)  # prompt -> decoded tokens (after the prefill's first)
+    seconds: Dict[int, List[float]] = field(default_factory=dict)  # prompt -> decode time of each repeat
+    passes: int = 0
+    runs: int = 0
+    drafted: List[int] = field(default_factory=list)
+    accepted: List[int] = field(default_factory=list)
+    outputs: Dict[int, List[int]] = field(default_factory=dict)  # prompt -> greedy ids (first repeat)
+
+    @property
+    def tok_s(self) -> float:
+        """Best-of-repeats speed: interference from other work only ever adds time."""
+        best = sum(min(s) for s in self.seconds.values())
+        return sum(self.tokens.values()) / best if best else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return sum(self.tokens.values()) * self.runs / len(self.tokens) / self.passes if self.passes else 1.0
+
+    @property
+    def acceptance(self) -> List[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    @property
+    def spread(self) -> float:
+        """How much repeats of the same run differed (slowest / fastest)."""
+        return max((max(s) / min(s) for s in self.seconds.values() if min(s) > 0), default=1.0)
+
+    def add(self, prompt: int, stats: dict) -> None:
+        self.tokens[prompt] = stats["generated_tokens"] - 1
+        self.seconds.setdefault(prompt, []).append(stats["decode_s"])
+        self.passes += stats["backbone_passes"]
+        self.runs += 1
+        for j, (d, a) in enumerate(zip(stats["drafted_per_position"], stats["accepted_per_position"])):
+            if j == len(self.drafted):
+                self.drafted.append(0)
+                self.accepted.append(0)
+            self.drafted[j] += d
+            self.accepted[j] += a
+
+
+@dataclass
+class Measurement:
+    modes: Dict[int, ModeRun]
+    max_tokens: int
+    repeats: int
+
+    def ratio(self, depth: int) -> float:
+        plain = self.modes[0].tok_s
+        return self.modes[depth].tok_s / plain if plain else 0.0
+
+    def identical(self, depth: int) -> Tuple[int, int]:
+        plain, run = self.modes[0].outputs, self.modes[depth].outputs
+        return sum(run[p] == plain[p] for p in plain), len(plain)
+
+    @property
+    def depths(self) -> List[int]:
+        return sorted(d for d in self.modes if d)
+
+    @property
+    def spread(self) -> float:
+        return max(run.spread for run in self.modes.values())
+
+
+@dataclass
+class Verdict:
+    depth: int  # the depth to use by default; 0 = off
+    text: str
+    broken: bool = False
+    notes: List[str] = field(default_factory=list)
+
+
+def measure(lm, max_depth: int, max_tokens: int, repeats: int, progress: Callable[[str], None] = lambda _: None) -> Measurement:
+    """Greedy decoding of the built-in prompts, plain and at depths 1..max_depth."""
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.engine.warmup import calibrate_blas_threads
+
+    prompts = [encode_prompt(lm.tokenizer, text, chat and lm.tokenizer.chat_template is not None) for text, chat in PROMPTS]
+    modes = {d: ModeRun(d) for d in range(max_depth + 1)}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def run(depth: int, prompt: List[int], n: int = max_tokens) -> Tuple[List[int], dict]:
+        p = params if n == max_tokens else SamplingParams(max_tokens=n, ignore_eos=True)
+        chunks = list(generate(lm.model, lm.tokenizer, prompt, p, depth))
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats.as_dict()
+
+    progress("warming up (the first run on a machine also compiles kernels)")
+    for depth in modes:  # compile every path once, untimed
+        run(depth, prompts[0], 8)
+    calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
+    for r in range(repeats):
+        order = list(modes) if r % 2 == 0 else list(reversed(modes))
+        progress(f"repeat {r + 1}/{repeats}")
+        for i, prompt in enumerate(prompts):
+            for depth in order:
+                ids, stats = run(depth, prompt)
+                modes[depth].add(i, stats)
+                modes[depth].outputs.setdefault(i, ids)
+    return Measurement(modes, max_tokens, repeats)
+
+
+def verdict(m: Measurement) -> Verdict:
+    drafted = sum(sum(m.modes[d].drafted) for d in m.depths)
+    accepted = sum(sum(m.modes[d].accepted) for d in m.depths)
+    if drafted and not accepted:
+        return Verdict(0, f"the MTP head is broken: 0 of {drafted} drafted tokens were accepted. That is the head, "
+                          f"not a slow machine. Likely causes: {BROKEN_HEAD_CAUSES}. MTP stays off.", broken=True)
+    best = max(m.depths, key=m.ratio)
+    ratio = m.ratio(best)
+    if ratio >= MIN_GAIN:
+        v = Verdict(best, f"depth {best}: {ratio:.2f}x plain, use it")
+    else:
+        v = Verdict(0, f"MTP is slower here (best: depth {best} at {ratio:.2f}x plain): leave it off")
+    first = m.modes[m.depths[0]].acceptance[0] if m.modes[m.depths[0]].drafted else 0.0
+    if first < LOW_ACCEPTANCE:
+        v.notes.append(f"acceptance at the first draft position is only {first:.2f} (a working head: 0.5-0.9). "
+                       f"Likely causes: {BROKEN_HEAD_CAUSES}")
+    if m.spread > NOISY:
+        v.notes.append(f"repeats of the same run differed by up to {m.spread:.1f}x: this machine was busy while "
+                       "measuring (speeds are best of the repeats); the verdict may change on a quieter run")
+    differing = [d for d in m.depths if m.identical(d)[0] != m.identical(d)[1]]
+    if differing:
+        v.notes.append(f"MTP output differed from plain at depth(s) {', '.join(map(str, differing))}: a near-tie "
+                       "between the top two logits can flip a greedy token (verify and step use different matmul "
+                       "shapes); a difference that persists in fp32 is a bug: please report it")
+    return v
+
+
+def table(m: Measurement) -> str:
+    rows = [("mode", "tok/s", "vs plain", "tokens/pass", "acceptance by position", "greedy = plain")]
+    for d, run in sorted(m.modes.items()):
+        same, n = m.identical(d)
+        rows.append((
+            f"depth {d}" if d else "plain", f"{run.tok_s:.1f}", f"{m.ratio(d):.2f}x", f"{run.tokens_per_pass:.2f}",
+            " ".join(f"{a:.2f}" for a in run.acceptance) if d else "-", f"{same}/{n}" if d else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in rows)
+
+
+def save_choice(model_dir: Path, v: Verdict, m: Measurement) -> Path:
+    """Merge `default_mtp_depth` (and what it was measured from) into the model's mtp_serve.json."""
+    from mtp_serve.models.model_card import CHECKPOINT_CARD_FILE
+
+    path = Path(model_dir) / CHECKPOINT_CARD_FILE
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e}); fix or delete it") from e
+    data["default_mtp_depth"] = v.depth
+    data["mtp_tune"] = {
+        "verdict": v.text,
+        "speed_vs_plain": {str(d): round(m.ratio(d), 3) for d in m.depths},
+        "acceptance_by_position": [round(a, 3) for a in m.modes[m.depths[-1]].acceptance],
+        "greedy_identical": {str(d): "{}/{}".format(*m.identical(d)) for d in m.depths},
+        "tokens": m.max_tokens, "repeats": m.repeats, "backend": BACKEND.note,
+        "measured": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-depth", type=int, default=3, help="measure depths 1..N (default 3)")
+    p.add_argument("--tune-tokens", type=int, default=96, help="tokens decoded per prompt and mode (default 96)")
+    p.add_argument("--tune-repeats", type=int, default=3, help="round-robin repeats over the modes (default 3)")
+
+
+def check_tune_arguments(args) -> Optional[str]:
+    if not 1 <= args.max_depth <= 8:
+        return "--max-depth must be between 1 and 8"
+    if args.tune_tokens < 4 or args.tune_repeats < 1:
+        return "--tune-tokens must be at least 4 and --tune-repeats at least 1"
+    return None
+
+
+def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], None] = print) -> Verdict:
+    """Load `model`, measure, print the table and verdict, store the choice. Raises
+    CheckpointError for a model that cannot be loaded or has no MTP head."""
+    from mtp_serve.models.loader import CheckpointError, load_model
+
+    lm = load_model(model, enable_mtp=True)
+    if not lm.model.has_mtp:
+        raise CheckpointError(f"{lm.path}: {lm.mtp_status}; add the head with: {lm.mtp_fix}")
+    out(f"verifying and tuning MTP on {lm.path} ({BACKEND.note}); {len(PROMPTS)} prompts x {args.tune_tokens} "
+        f"tokens x {args.tune_repeats} repeats, modes alternating")
+    m = measure(lm, args.max_depth, args.tune_tokens, args.tune_repeats, progress=lambda s: out(f"  {s}"))
+    v = verdict(m)
+    out(table(m))
+    out(f"verdict: {v.text}")
+    for note in v.notes:
+        out(f"note: {note}")
+    if save:
+        path = save_choice(lm.path, v, m)
+        out(f"stored default_mtp_depth={v.depth} in {path} (mtp-serve and mtp-generate use it by default)")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="mtp-tune", description="Measure MTP against plain decoding on this machine and store the depth that pays.")
+    p.add_argument("model", help="model directory or Hugging Face repo id (with its MTP head)")
+    add_tune_arguments(p)
+    p.add_argument("--no-save", action="store_true", help="print the table and verdict only; leave mtp_serve.json alone")
+    return p
+
+
+def run_command(prog: str, parser: argparse.ArgumentParser, argv, body: Callable[[argparse.Namespace], int]) -> int:
+    """Parse, check the tune options, run `body(args)`; checkpoint and file errors
+    become one-line failures (the frame mtp-tune, mtp-graft and mtp-convert share)."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    problem = check_tune_arguments(args)
+    if problem:
+        return fail(prog, problem)
+    try:
+        return body(args)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        return fail(prog, str(e))
+
+
+def exit_status(v: Verdict) -> int:
+    return 3 if v.broken else 0
+
+
+def main(argv=None) -> int:
+    return run_command("mtp-tune", build_parser(), argv,
+                       lambda args: exit_status(verify_and_tune(args.model, args, save=not args.no_save)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

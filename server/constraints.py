@@ -1,0 +1,177 @@
+"""What a request's output must match, as one engine `Constraint` (llguidance grammars).
+
+Where a constraint comes from (at most one per request):
+- OpenAI `response_format` (chat completions, completions): `{"type": "json_object"}`
+  or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; the
+  Responses API's `text.format` (the same, flattened);
+- vLLM-style extras in the request body: `structured_outputs` with one of `json`,
+  `regex`, `choice`, `grammar`, or the older `guided_json`, `guided_regex`,
+  `guided_choice`, `guided_grammar`. Grammars use llguidance's Lark dialect
+  (Lark syntax plus `%json {schema}`, special tokens as `<name>`, lazy rules);
+- `tool_choice` "required" / "any" / a named tool, on every API: the output is a
+  tool call (several with parallel tool calls) in the model's own format
+  (qwen3_coder XML or Hermes JSON) whose arguments follow the tool's JSON schema,
+  so the usual tool-call parser reads it.
+When the prompt opens a think block, reasoning stays free: the constraint starts
+after the model closes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+from llguidance import regex_to_lark
+
+from mtp_serve.engine.grammar import ANY_JSON_OBJECT, Constraint
+from mtp_serve.server.errors import bad_request
+
+THINK_CLOSE = "</think>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+EXTRA_KINDS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+def _schema(value: Any, param: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param}: not valid JSON: {e}", param) from e
+    if not isinstance(value, dict):
+        raise bad_request(f"{param}: a JSON schema must be an object", param)
+    return value
+
+
+def from_response_format(fmt: Optional[dict], param: str = "response_format") -> Optional[Constraint]:
+    """OpenAI `response_format` (or Responses `text.format`) as a constraint; None for text."""
+    if not fmt:
+        return None
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_schema(ANY_JSON_OBJECT)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", fmt)  # chat nests it; Responses flattens it
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(f"{param}: json_schema needs a 'schema'", param)
+        return Constraint.json_schema(_schema(spec["schema"], f"{param}.schema"))
+    raise bad_request(f"{param}: type {kind!r} is not supported (text, json_object, json_schema)", param)
+
+
+def from_extras(body: Dict[str, Any]) -> Optional[Constraint]:
+    """vLLM-style `structured_outputs` / `guided_*` fields of the request body."""
+    found = {}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        found.update({k: (v, f"structured_outputs.{k}") for k, v in so.items() if k in EXTRA_KINDS and v is not None})
+    found.update({k: (body[name], name) for k, name in EXTRA_KINDS.items() if body.get(name) is not None})
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"one output constraint per request; got {', '.join(p for _, p in found.values())}")
+    (kind, (value, param)), = found.items()
+    if kind == "json":
+        return Constraint.json_schema(_schema(value, param))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise bad_request(f"{param} must be a non-empty list of strings", param)
+        return Constraint.choice(value)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    return Constraint("regex" if kind == "regex" else "lark", value)
+
+
+def requested(req) -> Optional[Constraint]:
+    """An OpenAI-style request's output constraint: `response_format` or the vLLM-style fields."""
+    fmt = req.response_format.model_dump() if req.response_format is not None else None
+    return one_of(from_response_format(fmt), from_extras(req.model_dump()))
+
+
+def one_of(*constraints: Optional[Constraint]) -> Optional[Constraint]:
+    given = [c for c in constraints if c is not None]
+    if len(given) > 1:
+        raise bad_request("one output constraint per request: a forced tool call, response_format and "
+                          "structured_outputs / guided_* cannot be combined")
+    return given[0] if given else None
+
+
+# ---------------------------------------------------------------- grammars
+
+
+def _literal(text: str, added_tokens: set) -> str:
+    """A Lark element matching `text`: the special-token reference (`<...>`, the token
+    itself) when the tokenizer has it as one added token (llguidance matches those as
+    tokens, not as text), else a string."""
+    return text if text in added_tokens and text.startswith("<") and text.endswith(">") else json.dumps(text)
+
+
+def _grammar_entry(c: Constraint) -> dict:
+    if c.kind == "json_schema":
+        return {"json_schema": json.loads(c.source)}
+    if c.kind == "regex":
+        return {"lark_grammar": f"start: /{regex_to_lark(c.source)}/"}
+    return {"lark_grammar": c.source}
+
+
+def after_reasoning(c: Constraint, added_tokens: set) -> Constraint:
+    """Free reasoning up to the think block's end, then `c`."""
+    close = _literal(THINK_CLOSE, added_tokens)
+    top = {"grammars": [
+        {"lark_grammar": f"start: REASONING {close} /[ \\n]*/ @body\nREASONING: /(?s:.*)/"},
+        {"name": "body", **_grammar_entry(c)},
+    ]}
+    return Constraint("llguidance", json.dumps(top))
+
+
+PARAM_END = json.dumps("\n</parameter>\n")
+
+
+def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bool, added_tokens: set) -> Constraint:
+    """A forced tool call in the model's format: one (or, with `parallel`, several) of
+    `tools` (only `name` when given), arguments following each tool's schema."""
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    open_, close = _literal(TOOL_CALL_OPEN, added_tokens), _literal(TOOL_CALL_CLOSE, added_tokens)
+    more = ' ("\\n" call)*' if parallel else ""
+    rules = ["start: call" + more, "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    for i, fn in enumerate(fns):
+        schema = fn.get("parameters") or {"type": "object"}
+        if parser == "hermes":
+            call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                    "properties": {"name": {"const": fn["name"]}, "arguments": schema}}
+            rules.append(f'call_{i}: {open_} "\\n" %json {json.dumps(call)} "\\n" {close}')
+        else:
+            rules += _xml_call(i, fn["name"], schema, open_, close)
+    return Constraint("lark", "\n".join(rules))
+
+
+def _xml_call(i: int, name: str, schema: dict, open_: str, close: str) -> List[str]:
+    """qwen3_coder: <function=NAME>, then each parameter as <parameter=ARG>, its value and
+    </parameter> (in schema order; optional ones may be left out)."""
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    params, rules = [], []
+    for j, (arg, sub) in enumerate(props.items()):
+        value, extra = _xml_value(f"v_{i}_{j}", sub if isinstance(sub, dict) else {})
+        rules += [f"p_{i}_{j}: {json.dumps(f'<parameter={arg}>' + chr(10))} {value}"] + extra
+        params.append(f"p_{i}_{j}" + ("" if arg in required else "?"))
+    header = json.dumps(f"\n<function={name}>\n")
+    return [f'call_{i}: {open_} {header} {" ".join(params)} "</function>\\n" {close}'] + rules
+
+
+def _xml_value(rule: str, sub: dict):
+    """A parameter's value and its closing tag: strings as raw text (the parser keeps them
+    as written), enums and patterns of strings exactly, everything else as JSON."""
+    if sub.get("type") != "string":
+        return f"%json {json.dumps(sub)} {PARAM_END}", []
+    options = sub.get("enum", [sub["const"]] if "const" in sub else None)
+    if options is not None and all(isinstance(o, str) for o in options):
+        return "(" + " | ".join(json.dumps(o) for o in options) + f") {PARAM_END}", []
+    if "pattern" in sub:
+        pattern = sub["pattern"].removeprefix("^").removesuffix("$")
+        return f"/{regex_to_lark(pattern)}/ {PARAM_END}", []
+    lo, hi = sub.get("minLength", 0), sub.get("maxLength")
+    length = f"{{{lo},{hi}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
+    return rule, [f'{rule}[suffix={PARAM_END}]: /(?s:.{length})/']

@@ -1,0 +1,154 @@
+"""OpenAI chat completions and completions: adapters over the internal request model.
+
+Each route converts the request into a `Generation` (prompt ids, sampling,
+depth, parser configuration), runs it with `generation.complete` or
+`generation.stream_steps`, and builds the wire format with `openai_format`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import List
+
+from fastapi import APIRouter, Request
+
+from mtp_serve.server import constraints
+from mtp_serve.server import openai_format as fmt
+from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
+from mtp_serve.server.errors import bad_request, error_body
+from mtp_serve.server.generation import Generation, complete, engine_chunks, finish_reason, parse_output, stream_steps
+from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from mtp_serve.server.service import Sampling, Service
+from mtp_serve.server.streaming import sse_response
+
+router = APIRouter()
+
+
+def openai_stream(svc: Service, events, scope):
+    """OpenAI streams end with `data: [DONE]`; an engine failure is an error object first."""
+    return sse_response(svc, events, scope, done={"data": "[DONE]"},
+                        on_error=lambda e: [fmt.sse(error_body(str(e), "server_error"))])  # e: what the client may read
+
+
+def check_common(svc: Service, req) -> None:
+    svc.check_model(req.model)
+    if req.n != 1:
+        raise bad_request("n must be 1: this server returns one choice per request", "n")
+
+
+def include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------- chat
+
+
+def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                           None if named else req.tool_choice, named, req.chat_template_kwargs,
+                           output=constraints.requested(req), parallel_tool_calls=req.parallel_tool_calls)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    started = time.perf_counter()
+    svc: Service = request.app.state.service
+    check_common(svc, req)
+    prompt = await svc.run_cpu(render_chat, svc, req)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    sampling = Sampling.of(req, max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop_list, logprobs=top)
+    gen = svc.generation(prompt, sampling, started=started, prompt_param="messages", parallel_tool_calls=req.parallel_tool_calls)
+    handle = svc.submit(gen)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
+    if req.stream:
+        return openai_stream(svc, chat_stream(svc, gen, handle, request, rid, created, include_usage(req)), request.scope)
+    done = await complete(svc, gen, handle, request)
+    parsed = parse_output(svc, gen, done.text)
+    svc.metrics.request(request.scope, 200)
+    logprobs = fmt.chat_logprobs(done.logprobs, svc.token_text) if top is not None else None
+    return fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
+                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), fmt.usage(done.stats, len(gen.prompt.ids)))
+
+
+async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool):
+    model = svc.config.served_model_name
+
+    def chunk(delta, **kw):
+        return fmt.chat_chunk(rid, created, model, delta, include_usage=with_usage, **kw)
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for step in stream_steps(svc, gen, handle, request):
+        deltas = [fmt.event_delta(ev) for ev in step.events]
+        c = step.chunk
+        lp = fmt.chat_logprobs(c.logprobs, svc.token_text) if c is not None and c.logprobs else None
+        if lp is not None and not deltas:
+            deltas = [{}]
+        for i, d in enumerate(deltas):
+            yield chunk(d, logprobs=lp if i == 0 else None)
+        if step.finish_reason:
+            yield chunk({}, finish=step.finish_reason)
+            if with_usage:
+                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)))
+
+
+# ---------------------------------------------------------------- completions
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    started = time.perf_counter()
+    svc: Service = request.app.state.service
+    check_common(svc, req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    ids = await svc.run_cpu(completion_prompt_ids, svc.chat.encoder, req.prompt, svc.loaded.model.vocab_size)
+    constraint = constraints.requested(req)
+    if constraint is not None:
+        await svc.run_cpu(svc.check_constraint, constraint)
+    sampling = Sampling.of(req, stop=req.stop_list)
+    gen = svc.generation(ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids)), sampling, started=started, prompt_param="prompt")
+    handle = svc.submit(gen)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
+    echo = svc.tokenizer.decode(ids) if req.echo else ""
+    if req.stream:
+        events = completion_stream(svc, gen, handle, request, rid, created, include_usage(req), echo)
+        return openai_stream(svc, events, request.scope)
+    done = await complete(svc, gen, handle, request)
+    svc.metrics.request(request.scope, 200)
+    logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
+    return fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs, fmt.usage(done.stats, len(ids)))
+
+
+async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str):
+    model = svc.config.served_model_name
+
+    def chunk(text, **kw):
+        return fmt.completion_chunk(rid, created, model, text, include_usage=with_usage, **kw)
+
+    offset = len(echo)
+    if echo:
+        yield chunk(echo)
+    async for c in engine_chunks(svc, gen, handle, request, watch_disconnect=False):
+        lp = fmt.completion_logprobs(c.logprobs, offset, svc.token_text) if c.logprobs else None
+        offset += len(c.text)
+        if c.text or lp is not None:
+            yield chunk(c.text, logprobs=lp)
+        if c.finish_reason:
+            yield chunk("", finish=c.finish_reason)
+            if with_usage:
+                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)))
+
+
+def completion_prompt_ids(encoder: PromptEncoder, prompt, vocab: int) -> List[int]:
+    """A raw prompt is the client's own text: its special tokens are read as such."""
+    if isinstance(prompt, str):
+        return encoder.encode(prompt)
+    if prompt and all(isinstance(t, int) for t in prompt):
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+    if len(prompt) != 1:
+        raise bad_request("exactly one prompt per request (batched prompts are not supported)", "prompt")
+    return completion_prompt_ids(encoder, prompt[0], vocab)

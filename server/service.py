@@ -1,0 +1,219 @@
+"""What every route shares: the settings, the model, the engine, the chat format, metrics.
+
+    svc = Service(loaded, ServerConfig(served_model_name="demo"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+from mtp_serve.engine.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestHandle
+from mtp_serve.engine.grammar import Constraint, GrammarError
+from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.prompt_cache_setup import open_prompt_cache
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.server.chat import ChatFormat, hf_tokenizer
+from mtp_serve.server.errors import APIError, bad_request
+from mtp_serve.server.generation import Generation
+from mtp_serve.server.limits import Limits
+from mtp_serve.server.metrics import Metrics
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: Optional[str] = None
+    max_context: Optional[int] = None  # None: the model's max_position_embeddings
+    max_queue: int = 64
+    max_active: int = 8  # --max-batch-size
+    prefill_chunk: int = 512
+    mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
+    fixed_depth: bool = False  # draft exactly mtp_depth every round instead
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
+    ping_seconds: float = 15.0  # SSE keep-alive interval
+    prompt_cache_bytes: Optional[int] = None  # None: a quarter of the available memory; 0: no prompt cache
+    prompt_cache_interval: Optional[int] = None  # tokens between snapshots inside long messages; None: per model; 0: none
+    prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: memory only)
+    prompt_cache_disk_bytes: Optional[int] = None  # None: half the free space, at most 16 GiB
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    limits: Limits = field(default_factory=Limits)  # request size, counts, nesting (limits.py)
+    default_max_tokens: Optional[int] = None  # a request without max_tokens: None = the rest of the context
+    special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
+    metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
+    tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
+
+
+def model_max_context(config: dict) -> int:
+    text = config.get("text_config", config)
+    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 32768)
+
+
+def generation_defaults(path) -> dict:
+    """Sampling defaults from the checkpoint's generation_config.json (as vLLM uses them)."""
+    try:
+        gen = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: gen[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(gen.get(k), (int, float))}
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token's text can have (a bound from its vocabulary strings)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return 1 << 10
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
+
+
+@dataclass
+class Sampling:
+    """The sampling fields of a request, whatever API it came in through (None: the default)."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    mtp_depth: Optional[int] = None
+
+    @classmethod
+    def of(cls, req, **override) -> "Sampling":
+        """From a request object carrying (some of) these fields under the same names."""
+        names = [k for k in cls.__dataclass_fields__ if k not in override]
+        return cls(**{k: getattr(req, k) for k in names if getattr(req, k, None) is not None}, **override)
+
+
+class Service:
+    def __init__(self, loaded, config: ServerConfig):
+        self.loaded = loaded
+        self.config = config
+        self.max_context = config.max_context or model_max_context(loaded.config)
+        self.tokenizer = hf_tokenizer(loaded.tokenizer)
+        self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
+                                         interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
+                                         disk_bytes=config.prompt_cache_disk_bytes)
+        self.engine = EngineLoop(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
+                                 prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
+                                 policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
+        self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
+                               tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                               special_tokens_in_content=config.special_tokens_in_content,
+                               check_constraint=self.check_constraint)
+        self.metrics = Metrics(self.engine)
+        # Prompts are checked, rendered and tokenized off the event loop, on a few threads
+        # (tokenizers releases the GIL), so one huge request cannot hold up the others.
+        self.cpu = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="mtp-tokenize")
+        self.created = int(time.time())
+
+    # -- checks
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name and name not in (self.config.served_model_name, str(self.loaded.path)):
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.served_model_name}'",
+                           param="model", code="model_not_found")
+
+    def check_context(self, n_prompt: int, param: str) -> int:
+        """Returns the room left for the completion."""
+        if n_prompt >= self.max_context:
+            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt has {n_prompt} tokens",
+                              param, "context_length_exceeded")
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty", param)
+        return self.max_context - n_prompt
+
+    def check_constraint(self, c: Constraint) -> None:
+        """Compile an output constraint now (a 400 naming the problem), not in the engine."""
+        try:
+            self.engine.check_constraint(c)
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format", "invalid_constraint") from e
+
+    def check_prompt_bytes(self, n_bytes: int) -> None:
+        """Before any rendering or tokenizing: no token holds more than `max_token_bytes`
+        bytes, so a prompt whose text needs more tokens than the context cannot fit."""
+        at_least = n_bytes // self.max_token_bytes
+        if at_least >= self.max_context:
+            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt's "
+                              f"{n_bytes} bytes of text are at least {at_least} tokens", None, "context_length_exceeded")
+
+    def max_tokens(self, requested: Optional[int], n_prompt: int, room: int, param: str) -> int:
+        """vLLM's rule: a completion that cannot fit beside the prompt is refused, never cut;
+        without max_tokens, the rest of the context (or --default-max-tokens, when smaller)."""
+        if requested is None:
+            return min(room, self.config.default_max_tokens or room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; you requested "
+                              f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion). "
+                              f"Reduce the prompt or the completion length.", param, "context_length_exceeded")
+        return requested
+
+    # -- the internal request
+
+    def generation(self, prompt, s: Sampling, *, started: float, prompt_param: str, max_tokens_param: str = "max_tokens",
+                   **options) -> Generation:
+        """Check the prompt's length and build the engine request (sampling defaults from the checkpoint)."""
+        room = self.check_context(len(prompt.ids), prompt_param)
+        max_tokens = self.max_tokens(s.max_tokens, len(prompt.ids), room, max_tokens_param)
+        d = self.config.sampling_defaults
+        pick = lambda k, fallback: getattr(s, k) if getattr(s, k) is not None else d.get(k, fallback)  # noqa: E731
+        top_k = pick("top_k", 0)
+        try:
+            params = SamplingParams(
+                temperature=float(pick("temperature", 1.0)),
+                top_p=float(pick("top_p", 1.0)),
+                top_k=0 if top_k in (None, -1) else int(top_k),
+                min_p=float(pick("min_p", 0.0)),
+                presence_penalty=float(pick("presence_penalty", 0.0)),
+                frequency_penalty=float(pick("frequency_penalty", 0.0)),
+                repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                seed=s.seed,
+                max_tokens=max_tokens,
+                stop=tuple(s.stop),
+                stop_token_ids=tuple(s.stop_token_ids),
+                ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
+                constraint=self.chat.engine_constraint(prompt),
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        depth = s.mtp_depth if s.mtp_depth is not None else self.config.mtp_depth
+        return Generation(prompt, params, depth, started=started, **options)
+
+    def submit(self, gen: Generation) -> RequestHandle:
+        return self.submit_ids(gen.prompt.ids, gen.first_params, gen.depth, gen.prompt.checkpoints)
+
+    def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
+        try:
+            return self.engine.submit(ids, params, depth, checkpoints)
+        except QueueFull as e:
+            raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
+        except EngineStopped as e:
+            raise APIError(503, str(e), code="engine_stopped", headers={"Retry-After": "5"}) from e
+
+    async def run_cpu(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
+
+    @lru_cache(maxsize=65536)
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])

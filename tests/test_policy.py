@@ -1,0 +1,119 @@
+"""The depth policy: each row drafts what pays for itself at the measured costs.
+
+Unit tests drive `DepthPolicy` with measured-looking round costs and per-row
+acceptance; the last test runs it in the real scheduler with a row whose drafts
+are always wrong."""
+
+from dataclasses import dataclass, field
+
+import mtp_serve.engine.speculative as speculative
+from mtp_serve.engine.policy import ROW_REPROBE_EVERY, DepthPolicy
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.scheduler import Scheduler
+from mtp_serve.engine.sequence import RowAcceptance
+
+COST = {0: 0.010, 1: 0.012, 2: 0.015}  # seconds per round of 4 rows, by the longest row's depth
+
+
+@dataclass
+class Row:
+    """What the policy reads of a running sequence."""
+    max_depth: int = 2
+    acceptance: RowAcceptance = field(default_factory=lambda: RowAcceptance([]))
+
+
+def simulate(policy, rows, acceptance, rounds, rng):
+    """`acceptance[i](round)`: row i's chance that a draft is accepted. Returns depths per round."""
+    chosen = []
+    for r in range(rounds):
+        depths = policy.depths(rows)
+        K = max(depths)
+        first = policy.samples.get((4, K), 0) == 0
+        accepted = []
+        for i, d in enumerate(depths):
+            m = 0
+            while m < d and rng.random() < acceptance[i](r):
+                m += 1
+            accepted.append(m)
+        # the first round of each depth is slow (allocation, kernel compilation)
+        policy.observe(rows, depths, accepted, COST[K] * (50 if first else 1))
+        chosen.append(depths)
+    return chosen
+
+
+def test_measured_best_depth_ignoring_warm_up_rounds():
+    import random
+
+    rng = random.Random(0)
+    good = DepthPolicy(max_depth=2)
+    chosen = simulate(good, [Row() for _ in range(4)], [lambda r: 0.9] * 4, 60, rng)
+    assert all(d == [2] * 4 for d in chosen[-10:]), chosen[-10:]  # 1 + .9 + .81 tokens for 1.5x a plain round
+    bad = DepthPolicy(max_depth=2)
+    chosen = simulate(bad, [Row() for _ in range(4)], [lambda r: 0.05] * 4, 300, rng)
+    assert all(d == [0] * 4 for d in chosen[-5:]), chosen[-5:]  # drafting never pays at 5% acceptance
+    later = [max(d) for d in chosen[30:]]
+    assert 0 < sum(1 for k in later if k) < len(later) // 4  # ... but rows re-probe now and then
+
+
+def test_a_failing_row_drops_to_zero_alone_and_recovers():
+    import random
+
+    rng = random.Random(1)
+    policy = DepthPolicy(max_depth=2)
+    rows = [Row() for _ in range(4)]
+    # Row 3's drafts are always rejected for 150 rounds, then accepted again.
+    acceptance = [lambda r: 0.9] * 3 + [lambda r: 0.0 if r < 150 else 0.95]
+    chosen = simulate(policy, rows, acceptance, 260, rng)
+    middle = chosen[100:150]
+    assert sum(d[3] == 0 for d in middle) >= 0.8 * len(middle), middle  # the failing row stops drafting
+    # The others keep their depth (but for the rare round that re-measures another depth's cost).
+    assert sum(d[:3] == [2, 2, 2] for d in middle) >= 0.9 * len(middle), middle
+    assert sum(d[3] > 0 for d in middle) >= 1  # it re-probes
+    assert all(d[3] == 2 for d in chosen[-20:]), chosen[-20:]  # and recovers once its drafts are accepted again
+
+
+def test_cap_is_the_servers_depth_and_requests_lower_it():
+    policy = DepthPolicy(max_depth=5, fixed=True)
+    assert policy.depths([Row(max_depth=8), Row(max_depth=3), Row(max_depth=0)]) == [5, 3, 0]
+
+
+def test_scheduler_sends_a_row_with_wrong_drafts_to_depth_zero(demo_model, monkeypatch):
+    """Real rounds on the demo model (its head is accepted ~90% of the time): one row's
+    head proposals are replaced by a token the backbone never picks in code (a head
+    that is always wrong for that row); the policy stops that row from drafting while
+    the other rows keep drafting, and keeps re-probing it."""
+    lm = demo_model
+    never = lm.tokenizer.convert_tokens_to_ids("<tool_response>")
+    real_draft = speculative.draft
+
+    def draft(model, batch, depths):
+        drafts = real_draft(model, batch, depths)
+        bad = [i for i, s in enumerate(batch.rows) if s.key == "bad" and depths[i]]
+        if bad:
+            drafts.tokens[bad[0]] = never
+        return drafts
+
+    class ModelledCosts(DepthPolicy):
+        """Round times from COST instead of the wall clock: the machine's load must not decide."""
+
+        def observe(self, rows, depths, accepted, seconds):
+            super().observe(rows, depths, accepted, COST[max(depths)])
+
+    monkeypatch.setattr(speculative, "draft", draft)
+    sched = Scheduler(lm.model, lm.tokenizer, policy=ModelledCosts(max_depth=2))
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    prompts = {"a": "import os\nimport sys\n\ndef main(argv):\n    ", "b": "class Stack:\n    def __init__(self):\n",
+               "bad": "def read_config(path):\n    with open(path) as f:\n"}
+    for key, text in prompts.items():
+        sched.add(key, lm.tokenizer.encode(text), params, 2)
+    history = []
+    while sched.has_work():
+        for _ in sched.step():
+            pass
+        if len(sched.last_round) == 3:
+            history.append({key: d for key, (d, _) in sched.last_round.items()})
+    late = history[30:]  # after the policy has measured the costs of each depth
+    assert len(late) > 2 * ROW_REPROBE_EVERY
+    assert sum(h["bad"] == 0 for h in late) >= 0.8 * len(late), late
+    assert sum(h["a"] > 0 and h["b"] > 0 for h in late) >= 0.8 * len(late), late
+    assert any(h["bad"] > 0 for h in late)  # re-probes stay on
