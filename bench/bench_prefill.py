@@ -50,7 +50,7 @@ from mlx_lm.models.gated_delta import (
     normalize_qk,
 )
 
-from mtp_serve.models.gated_delta_chunked import gated_delta_chunked
+from mtp_serve.models.gated_delta_chunked import CHUNK_SIZE, gated_delta_chunked
 
 TEXT_CONFIG = {
     "model_type": "qwen3_5_text",
@@ -256,7 +256,7 @@ def demo_rows(args, path, ref, lm) -> list:
         cache = ours.make_cache()
         t0 = time.perf_counter()
         for i in range(0, tokens.shape[0], args.prefill_step):
-            _, logits = ours.forward(tokens[None, i : i + args.prefill_step], cache)
+            _, logits = ours.forward(tokens[None, i : i + args.prefill_step], cache, last_logits=True)
             mx.eval(logits, [c.state for c in cache])
         return time.perf_counter() - t0, logits[:, -1, :]
 
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-table", action="store_true", help="also the gated delta rule inside mlx-lm's model")
     ap.add_argument("--op-table", action="store_true", help="also the gated delta recurrence alone")
     ap.add_argument("--op-lengths", type=int, nargs="+", default=[512, 2048, 8192], help="lengths of those two tables")
-    ap.add_argument("--chunk-size", type=int, default=64, help="chunked rule's chunk (those two tables)")
+    ap.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, help="chunked rule's chunk (those two tables)")
     ap.add_argument("--demo-model", default=None, help="checkpoint for the demo and TTFT tables (default: the demo model)")
     ap.add_argument("--json", type=str, default=None, help="write results here")
     args = ap.parse_args(argv)

@@ -176,6 +176,12 @@ def _to_chunks(x: mx.array, n: int, c: int, r: Optional[int] = None) -> mx.array
     return x.reshape(b, n, c, h // r, r, d).transpose(1, 0, 3, 4, 2, 5)
 
 
+# Measured on 2,048 tokens (medians, alternating): demo shapes (Hk=2, Hv=4, D=64)
+# 15.1 ms at 32, 20.0 at 64, 59.6 at 128; Qwen3.5-0.8B shapes (Hk=Hv=16, D=128)
+# 152 ms at 32, 384 at 64. Smaller chunks keep the per-chunk products in cache.
+CHUNK_SIZE = 32
+
+
 def gated_delta_chunked(
     q: mx.array,
     k: mx.array,
@@ -184,7 +190,7 @@ def gated_delta_chunked(
     beta: mx.array,
     state: Optional[mx.array] = None,
     mask: Optional[mx.array] = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     *,
     inverse: Optional[str] = None,
 ) -> Tuple[mx.array, mx.array]:

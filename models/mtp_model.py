@@ -79,8 +79,11 @@ class MTPModel:
             return self.inner.embed_tokens.as_linear(h)
         return self.text.lm_head(h)
 
-    def forward(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
-        """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V])."""
+    def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False) -> Tuple[mx.array, mx.array]:
+        """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V]),
+        with `last_logits` the logits of the last position only [B,1,V] (a prefill needs
+        no others; at 8,192 tokens the LM head over all of them was 2% of the demo
+        model's prefill, and it grows with the vocabulary)."""
         inner = self.inner
         blas_threads_for(tokens.size)
         h = inner.embed_tokens(tokens)
@@ -89,7 +92,7 @@ class MTPModel:
         for layer, c in zip(self.layers, cache):
             h = self.run_layer(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
         post = inner.norm(h)
-        return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
+        return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post[:, -1:] if last_logits else post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
