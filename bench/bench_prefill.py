@@ -26,6 +26,7 @@ per-token ops path against the chunked rule patched into mlx-lm's module
 
     python bench/bench_prefill.py                          # 8,192-token demo prefill
     python bench/bench_prefill.py --lengths 2048 8192 --repeats 5 --ttft --json out.json
+    python bench/bench_prefill.py --skip-demo --breakdown   # ours, time per layer kind and part
 """
 
 from __future__ import annotations
@@ -268,6 +269,61 @@ def demo_rows(args, path, ref, lm) -> list:
     return paired_table(f"prefill, {path} end to end (prefill step {args.prefill_step})", inputs, args.repeats, runs, "logit err")
 
 
+def breakdown_rows(args, lm) -> dict:
+    """Where ours spends an 8,192-token prefill: each part of each layer evaluated
+    on its own (mx.eval between parts; the sum exceeds a fused run slightly),
+    best of --repeats, in the demo table's chunks."""
+    from collections import Counter
+
+    from mtp_serve.backend import blas_threads_for
+    from mtp_serve.models import prefill_layers as pl
+    from mtp_serve.models.mlx_lm_compat import create_attention_mask, create_ssm_mask
+
+    model, inner = lm.model, lm.model.inner
+
+    def part(acc, key, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        mx.eval(out)
+        acc[key] += time.perf_counter() - t0
+        return out
+
+    def run(tokens, acc):
+        cache = model.make_cache()
+        for i in range(0, tokens.shape[0], args.prefill_step):
+            x = tokens[None, i : i + args.prefill_step]
+            blas_threads_for(x.size)
+            h = part(acc, "embedding", lambda: inner.embed_tokens(x))
+            masks = (create_ssm_mask(h, cache[inner.ssm_idx]), create_attention_mask(h, cache[inner.fa_idx]))
+            for layer, c in zip(model.layers, cache):
+                kind = "GatedDeltaNet" if layer.is_linear else "attention"
+                if layer.is_linear:
+                    n = part(acc, f"{kind} layers: input norm", lambda: layer.input_layernorm(h))
+                    r = part(acc, f"{kind} layers: mixer", lambda: (layer.linear_attn(n, masks[0], c, cpu_prefill=True), c.state))[0]
+                else:
+                    r = part(acc, f"{kind} layers: attention (norm, projections, rope, blockwise)",
+                             lambda: (pl.attention(layer, h, masks[1], c), c.state))[0]
+                h, hn = part(acc, f"{kind} layers: residual, post norm", lambda: (h + r, layer.post_attention_layernorm(h + r)))
+                h = part(acc, f"{kind} layers: MLP, residual", lambda: h + pl.mlp(layer.mlp, hn))
+            post = part(acc, "final norm", lambda: inner.norm(h))
+        part(acc, "LM head, last position", lambda: model.lm_head(post[:, -1:]))
+        part(acc, "(not run in prefill: LM head, every position)", lambda: model.lm_head(post))
+
+    run(mx.random.randint(0, model.vocab_size, (300,)), Counter())  # warm-up
+    tokens = mx.random.randint(0, model.vocab_size, (max(args.lengths),))
+    accs = []
+    for _ in range(args.repeats):
+        accs.append(Counter())
+        run(tokens, accs[-1])
+    best = {k: min(a[k] for a in accs) for k in accs[0]}
+    total = sum(v for k, v in best.items() if not k.startswith("(not"))
+    print(f"\nbreakdown, ours, {tokens.size} tokens (best of {args.repeats}, seconds; parts evaluated one by one)")
+    for k, v in best.items():
+        print(f"{k:64s} {v:7.3f}  {100 * v / total:5.1f}%")
+    print(f"{'sum':64s} {total:7.3f}")
+    return best
+
+
 def opencode_prompt(tokenizer, path: str) -> list:
     """Token ids of a captured chat request, rendered with the model's chat template and tools."""
     req = json.loads(open(path).read())
@@ -326,6 +382,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-chunk", type=int, default=512, help="the engine's prefill chunk for --ttft (mtp-serve --prefill-chunk)")
     ap.add_argument("--opencode-request", default=str(Path(__file__).parent / "data" / "opencode_request.json"))
     ap.add_argument("--skip-demo", action="store_true", help="skip the demo-model table")
+    ap.add_argument("--breakdown", action="store_true", help="also time each part of ours on the longest --lengths")
     ap.add_argument("--model-table", action="store_true", help="also the gated delta rule inside mlx-lm's model")
     ap.add_argument("--op-table", action="store_true", help="also the gated delta recurrence alone")
     ap.add_argument("--op-lengths", type=int, nargs="+", default=[512, 2048, 8192], help="lengths of those two tables")
@@ -348,12 +405,14 @@ def main(argv=None) -> int:
     print(f"mlx {info['mlx']} on {info['device']}; {info['backend']}")
     results = {"info": info}
 
-    if not args.skip_demo or args.ttft:
+    if not args.skip_demo or args.ttft or args.breakdown:
         path, ref, lm = load_demo(args)
         if not args.skip_demo:
             results["demo"] = demo_rows(args, path, ref, lm)
         if args.ttft:
             results["ttft"] = ttft_rows(args, path, ref, lm)
+        if args.breakdown:
+            results["breakdown"] = breakdown_rows(args, lm)
 
     if args.model_table:
         info["text_config"], info["chunk_size"] = TEXT_CONFIG, args.chunk_size
