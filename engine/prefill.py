@@ -47,7 +47,7 @@ def prefill(
     ends |= set(range((start // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end, PREFILL_CHUNK))
     j = start
     for k in sorted(ends):
-        hidden, logits = model.forward(mx.array([seq.prompt[j:k]]), caches.backbone)
+        hidden, logits = model.forward(mx.array([seq.prompt[j:k]]), caches.backbone, last_logits=True)
         if seq.tracks_head:
             owed.hidden = hidden if owed.hidden is None else mx.concatenate([owed.hidden, hidden], axis=1)
             # Pairs whose next token is forwarded: the head takes them now.

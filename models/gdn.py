@@ -15,15 +15,19 @@ order, so plain decoding stays bit-identical to mlx-lm, and adds:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from . import fast_math
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import gated_delta_chunked, gated_delta_window
 from .mlx_lm_compat import (
     Qwen35GatedDeltaNetBase,
     Qwen3NextGatedDeltaNetBase,
+    Qwen3NextRMSNormGated,
     compute_g,
     gated_delta_step_ops,
     gated_delta_update,
@@ -36,13 +40,29 @@ from .mlx_lm_compat import (
 CHUNKED_PREFILL_MIN_TOKENS = 8
 
 
-def _metal_kernel_available(k: mx.array) -> bool:
+def _metal_kernel_available(head_k_dim: int) -> bool:
     return (
         mx.default_device() == mx.gpu
         and mx.metal.is_available()
-        and k.shape[-1] >= 32
-        and k.shape[-1] % 32 == 0
+        and head_k_dim >= 32
+        and head_k_dim % 32 == 0
     )
+
+
+@partial(mx.compile, shapeless=True)
+def _weighted_sum(*xw: mx.array) -> mx.array:
+    """x0 * w0 + x1 * w1 + ... for arguments (x0, w0, x1, w1, ...), in one fused loop."""
+    out = xw[0] * xw[1]
+    for i in range(2, len(xw), 2):
+        out = out + xw[i] * xw[i + 1]
+    return out
+
+
+def _depthwise_conv(x: mx.array, weight: mx.array) -> mx.array:
+    """mlx-lm's depthwise `conv1d` (no padding, weight [C, K, 1]) as K shifted
+    multiply-adds: 1.6 ns an output here, MLX's CPU conv kernel 25 ns (measured)."""
+    K, S = weight.shape[1], x.shape[1] - weight.shape[1] + 1
+    return _weighted_sum(*(t for j in range(K) for t in (x[:, j : j + S], weight[:, j, 0])))
 
 
 class StackedStates:
@@ -109,20 +129,28 @@ class CapturingGatedDeltaNetMixin:
         state: Optional[mx.array],
         mask: Optional[mx.array] = None,
         capture: bool = False,
+        cpu_prefill: bool = False,
     ) -> Tuple[mx.array, mx.array, Any]:
         """The layer as a function of its input and recurrent state (no cache
         object, so it can be `mx.compile`d). Returns (output, the conv input
         [B, kernel-1+S, C], the new state) or, with `capture`, the window's
         per-position states (`WindowStates` / `StackedStates`) instead of the state.
+        `cpu_prefill` computes a chunked prefill's conv and activations with
+        `fast_math` (same values to fp32 rounding, several times faster on CPU).
         """
         B, S, _ = inputs.shape
+        chunked = not capture and S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(self.head_k_dim)
+        fast = cpu_prefill and chunked
         qkv, z, b, a = self.project(inputs)
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = nn.silu(self.conv1d(conv_input))
+        if fast:
+            conv_out = fast_math.silu(_depthwise_conv(conv_input, self.conv1d.weight))
+        else:
+            conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = [
             t.reshape(B, S, h, d)
             for t, h, d in zip(
@@ -141,7 +169,7 @@ class CapturingGatedDeltaNetMixin:
                 out, state = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
             else:
                 out, state = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
-        elif S >= CHUNKED_PREFILL_MIN_TOKENS and not _metal_kernel_available(k):
+        elif chunked:
             g = compute_g(self.A_log, a, self.dt_bias)
             out, state = gated_delta_chunked(q, k, v, g, mx.sigmoid(b), state, mask)
         else:
@@ -149,17 +177,25 @@ class CapturingGatedDeltaNetMixin:
                 q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
                 use_kernel=not self.training,
             )
-        out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
+        if fast and type(self.norm) is Qwen3NextRMSNormGated:
+            out = fast_math.swiglu(z, mx.fast.rms_norm(out, self.norm.weight, self.norm.eps))
+        else:
+            out = self.norm(out, z)
+        out = self.out_proj(out.reshape(B, S, -1))
         if getattr(self, "sharding_group", None) is not None:  # tensor parallel: sum the ranks' heads
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out, conv_input, state
 
     def __call__(
-        self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None
+        self,
+        inputs: mx.array,
+        mask: Optional[mx.array] = None,
+        cache: Optional[Any] = None,
+        cpu_prefill: bool = False,
     ) -> mx.array:
         capture = isinstance(cache, SpeculativeGDNCache) and cache.capturing
         conv_state, state = (cache[0], cache[1]) if cache is not None else (None, None)
-        out, conv_input, state = self.mix(inputs, conv_state, state, mask, capture)
+        out, conv_input, state = self.mix(inputs, conv_state, state, mask, capture, cpu_prefill)
         if cache is not None:
             store_step(cache, conv_input, state, inputs.shape[1], capture)
         return out

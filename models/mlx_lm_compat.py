@@ -69,7 +69,8 @@ _require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product
 _require(_cache, ["KVCache", "BatchKVCache", "ArraysCache"], "mlx_lm.models.cache")
 _require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
 _require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
-_require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3NextAttention"], "mlx_lm.models.qwen3_next")
+_require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3NextAttention", "Qwen3NextMLP",
+                     "Qwen3NextRMSNormGated"], "mlx_lm.models.qwen3_next")
 
 _require(_cache.BatchKVCache, ["merge", "extend", "filter", "extract", "trim", "make_mask", "update_and_fetch"], "BatchKVCache")
 _require_init_fields(_cache.BatchKVCache, ["_idx", "left_padding", "offset", "keys", "values"])
@@ -90,6 +91,8 @@ _require(_pipeline.PipelineMixin, ["pipeline", "pipeline_layers"], "PipelineMixi
 _require_init_fields(_pipeline.PipelineMixin, ["pipeline_rank", "pipeline_size", "start_idx", "end_idx"])
 _require_init_fields(qwen3_5.GatedDeltaNet, ["sharding_group"])
 _require_init_fields(qwen3_5.TextModel, ["sharding_group"])
+_require_init_fields(qwen3_next.Qwen3NextMLP, ["gate_proj", "up_proj", "down_proj"])
+_require_init_fields(qwen3_next.Qwen3NextRMSNormGated, ["weight", "eps"])
 for _layer in (qwen3_5.DecoderLayer, qwen3_next.Qwen3NextDecoderLayer):
     _require_init_fields(_layer, ["is_linear", "input_layernorm", "post_attention_layernorm", "mlp"])
 
@@ -142,3 +145,5 @@ def shard_decoder_layers(layers, group) -> None:
     only_layers = SimpleNamespace(layers=list(layers),
                                   language_model=SimpleNamespace(args=SimpleNamespace(tie_word_embeddings=True)))
     qwen3_5.Model.shard(only_layers, group)
+Qwen3NextMLP = qwen3_next.Qwen3NextMLP
+Qwen3NextRMSNormGated = qwen3_next.Qwen3NextRMSNormGated

@@ -15,11 +15,12 @@ import mlx.nn as nn
 from mtp_serve.backend import blas_threads_for
 
 from .caches import SpeculativeGDNCache
-from .compiled_steps import CompiledLayers
+from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers
 from .draft_vocab import DraftVocab
 from .model_card import ModelCard
 from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
+from .prefill_layers import PrefillLayers
 from .sharding import local_layers, pipeline_stage
 
 
@@ -34,6 +35,9 @@ class MTPModel:
         # None runs mlx-lm's layers as they are.
         self.compiled: Optional[CompiledLayers] = CompiledLayers()
         self.stage = pipeline_stage(self.inner)  # this rank's place in a pipeline split, or None
+        # Longer inputs (prefill chunks) on CPU run through PrefillLayers (blockwise
+        # attention, fast activations); None, or a GPU, runs mlx-lm's layers.
+        self.prefill: Optional[PrefillLayers] = PrefillLayers() if mx.default_device() == mx.cpu else None
         # The head's drafts score only this subset of the vocabulary (None: all of it).
         self.draft_vocab: Optional[DraftVocab] = None
 
@@ -79,8 +83,11 @@ class MTPModel:
         group = getattr(self.text, "sharding_group", None)  # tensor parallel: each rank computes a slice of the vocabulary
         return logits if group is None else gather_last_axis(logits, group)
 
-    def forward(self, tokens: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
-        """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V])."""
+    def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False) -> Tuple[mx.array, mx.array]:
+        """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V]),
+        with `last_logits` the logits of the last position only [B,1,V] (a prefill needs
+        no others; at 8,192 tokens the LM head over all of them was 2% of the demo
+        model's prefill, and it grows with the vocabulary)."""
         inner = self.inner
         blas_threads_for(tokens.size)
         h = inner.embed_tokens(tokens)
@@ -89,17 +96,24 @@ class MTPModel:
         ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
         if self.stage is not None:
             h = self.stage.receive(h)
-        run = self.compiled or (lambda layer, h, mask, cache: layer(h, mask=mask, cache=cache))
         for layer, c in zip(self.layers, cache):
-            h = run(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
+            h = self.run_layer(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
         if self.stage is not None:
             h = self.stage.pass_on(h)
         post = inner.norm(h)
-        return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post)
+        return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post[:, -1:] if last_logits else post)
 
     def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
         logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them)."""
         blas_threads_for(next_tokens.size)
-        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.compiled)
+        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.run_layer)
         return out, (self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out))
+
+    def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:
+        """One decoder layer: compiled for decode-sized inputs, PrefillLayers for long ones."""
+        if self.prefill is not None and h.shape[1] > MAX_COMPILED_TOKENS:
+            return self.prefill(layer, h, mask, cache)
+        if self.compiled is not None:
+            return self.compiled(layer, h, mask, cache)
+        return layer(h, mask=mask, cache=cache)

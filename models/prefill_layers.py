@@ -1,0 +1,68 @@
+"""Decoder layers over long inputs (prefill chunks) on MLX's CPU backend.
+
+The same computation as mlx-lm's decoder layers, with the parts that dominate
+a long CPU prefill replaced (measured on the demo model, 8,192 tokens: the
+attention layers' softmax over materialised score matrices, then SiLU and
+sigmoid, whose `exp` runs element by element through library calls here):
+
+* full attention: `prefill_attention.causal_attention` (query blocks, no
+  score above the diagonal outside one small tile, fast exp), and the output
+  gate's sigmoid from `fast_math`;
+* GatedDeltaNet: the chunked gated delta rule as before, with its conv and
+  gated-norm activations from `fast_math` (`gdn.py`, `cpu_prefill=True`);
+* dense MLP: SwiGLU from `fast_math`.
+
+Anything else (quantized KV caches, array masks of batched caches, MoE
+blocks) runs mlx-lm's own modules, and so does every layer when the compute
+dtype is not fp32. Outputs match
+mlx-lm's to fp32 rounding; short decode inputs never come here
+(`compiled_steps.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import fast_math
+from .compiled_steps import _attention_in
+from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
+from .prefill_attention import causal_attention
+
+
+def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any]) -> mx.array:
+    """`layer.self_attn(layer.input_layernorm(x), mask, cache)`, blockwise where supported."""
+    attn = layer.self_attn
+    if (
+        type(attn) is not Qwen3NextAttention
+        or type(cache) is not KVCache
+        or not (isinstance(mask, str) and mask == "causal")
+    ):
+        return attn(layer.input_layernorm(x), mask, cache)
+    B, L, _ = x.shape
+    q, k, v, gate = _attention_in(layer)(x, cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = causal_attention(q, k, v, attn.scale).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return attn.o_proj(out * fast_math.sigmoid(gate))
+
+
+def mlp(module: nn.Module, x: mx.array) -> mx.array:
+    if type(module) is not Qwen3NextMLP:
+        return module(x)
+    return module.down_proj(fast_math.swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
+class PrefillLayers:
+    """`run_layer(layer, h, mask, cache)` for inputs longer than a verify window."""
+
+    def __call__(self, layer: nn.Module, h: mx.array, mask: Any, cache: Optional[Any]) -> mx.array:
+        if h.dtype != mx.float32:  # fast_math computes in fp32
+            return layer(h, mask=mask, cache=cache)
+        if layer.is_linear:
+            r = layer.linear_attn(layer.input_layernorm(h), mask, cache, cpu_prefill=True)
+        else:
+            r = attention(layer, h, mask, cache)
+        h = h + r
+        return h + mlp(layer.mlp, layer.post_attention_layernorm(h))
