@@ -98,8 +98,9 @@ def mixed_depths(lm, encode, max_tokens, depth, repeats):
             "drafted_per_row": drafted[-1], "identical": same}
 
 
-def unified_vs_baseline(model_path, encode, max_tokens, depth, rev, repeats):
-    """One stream: this tree's round (a batch of one) against `rev`'s single-sequence round."""
+def unified_vs_baseline(model_path, encode, max_tokens, depth, rev, repeats, blas_threads):
+    """One stream: this tree's round (a batch of one) against `rev`'s single-sequence round,
+    both with decode matmuls on `blas_threads` (this process's calibrated choice)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -107,7 +108,8 @@ def unified_vs_baseline(model_path, encode, max_tokens, depth, rev, repeats):
 
     prompts = [encode(p) for p in PROMPTS]
     ratios, same = [], True
-    with RevisionWorker(rev, model_path) as old, RevisionWorker(None, model_path) as new:
+    with RevisionWorker(rev, model_path, blas_threads, calibrate=False) as old, \
+            RevisionWorker(None, model_path, blas_threads, calibrate=False) as new:
         for w in (old, new):  # warm up: kernels traced, caches allocated
             w.decode(prompts[0], 32, depth)
         for r in range(repeats):
@@ -148,7 +150,7 @@ def main() -> None:
     lm = load_model(args.model or default_model_path())
     from mtp_serve.engine.warmup import calibrate_blas_threads
 
-    calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
+    threads = calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
     depth = args.depth or lm.card.default_mtp_depth
     encode = lambda s: lm.tokenizer.encode(s)  # noqa: E731
     print(f"model {lm.path}  depth<={depth}  max_tokens {args.max_tokens}  {mtp_serve.BACKEND.note}")
@@ -196,7 +198,7 @@ def main() -> None:
           f"outputs identical: {mixed['identical']}")
     baseline = None
     if not args.skip_baseline:
-        baseline = unified_vs_baseline(str(lm.path), encode, args.max_tokens, depth, args.baseline_rev, args.repeats)
+        baseline = unified_vs_baseline(str(lm.path), encode, args.max_tokens, depth, args.baseline_rev, args.repeats, threads)
         print(f"one stream, depth {depth}: unified round {baseline['unified_vs_baseline']}x the single-sequence round of "
               f"{baseline['baseline_rev']} (median of {baseline['pairs']} paired ratios, min {baseline['min']}, "
               f"max {baseline['max']}); outputs identical: {baseline['identical']}")

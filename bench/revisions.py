@@ -1,6 +1,6 @@
 """Decode benchmarks across revisions of this repository, side by side in one run.
 
-    with RevisionWorker("HEAD~3") as old, RevisionWorker(None) as new:   # None: the working tree
+    with RevisionWorker("HEAD~3", model, 1, calibrate=False) as old, RevisionWorker(None, model, 1, calibrate=False) as new:
         old.decode(prompt_ids, max_tokens=128, depth=3)  # -> {"tokens": [...], "decode_s": ..., ...}
 
 Each worker is a subprocess with the model loaded once. A revision is laid out
@@ -35,11 +35,15 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.loader import load_model
 
 lm = load_model(sys.argv[1])
-from mtp_serve.engine.warmup import calibrate_blas_threads
-try:  # as mtp-serve does at start-up (its signature changed over time)
-    calibrate_blas_threads(lm.model, lm.tokenizer)
-except TypeError:
-    calibrate_blas_threads(lm.model)
+if sys.argv[2] != "calibrate":  # the caller's choice: both sides of a comparison decode alike
+    from mtp_serve.backend import set_decode_blas_threads
+    set_decode_blas_threads(None if sys.argv[2] == "all" else int(sys.argv[2]))
+else:
+    from mtp_serve.engine.warmup import calibrate_blas_threads
+    try:  # as mtp-serve does at start-up (its signature changed over time)
+        calibrate_blas_threads(lm.model, lm.tokenizer)
+    except TypeError:
+        calibrate_blas_threads(lm.model)
 print(json.dumps({"ready": True, "engine": mtp_serve.engine.__path__[0]}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -68,8 +72,13 @@ def materialize(rev: str, into: Path) -> Path:
 
 
 class RevisionWorker:
-    def __init__(self, rev: Optional[str], model: str):
+    def __init__(self, rev: Optional[str], model: str, blas_threads: Optional[int] = None, calibrate: bool = True):
+        """`calibrate`: measure decode BLAS threads in the worker, as mtp-serve does;
+        otherwise use `blas_threads` (None: every core). Two workers that calibrate
+        alone can choose differently on a busy machine, and that, not their code,
+        then decides the comparison: pass the same choice to both."""
         self.rev, self.model = rev, str(Path(model).resolve()) if Path(model).exists() else model
+        self.threads = "calibrate" if calibrate else "all" if blas_threads is None else str(blas_threads)
         self._tmp: Optional[str] = None
         self.proc: Optional[subprocess.Popen] = None
 
@@ -78,7 +87,7 @@ class RevisionWorker:
         if self.rev is not None:
             self._tmp = tempfile.mkdtemp(prefix="mtp-rev-")
             env["PYTHONPATH"] = str(materialize(self.rev, Path(self._tmp))) + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, self.model], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, self.model, self.threads], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=self._tmp or str(REPO))
         hello = json.loads(self.proc.stdout.readline())
         self.engine_path = hello["engine"]
