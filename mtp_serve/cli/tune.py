@@ -237,7 +237,7 @@ def check_tune_arguments(args) -> Optional[str]:
         return "--max-depth must be between 1 and 8"
     if args.tune_tokens < 4 or args.tune_repeats < 1:
         return "--tune-tokens must be at least 4 and --tune-repeats at least 1"
-    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
+    if args.draft_vocab is not None and args.draft_vocab < 0:
         return "--draft-vocab must be 0 (the whole vocabulary) or a number of tokens"
     return None
 
@@ -263,11 +263,11 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     CheckpointError for a model that cannot be loaded or has no MTP head."""
     from mtp_serve.models.loader import CheckpointError, load_model
 
-    draft_vocab = getattr(args, "draft_vocab", None)
+    draft_vocab = args.draft_vocab
     lm = load_model(model, enable_mtp=True, draft_vocab=draft_vocab)
     if not lm.model.has_mtp:
         raise CheckpointError(f"{lm.path}: {lm.mtp_status}; add the head with: {lm.mtp_fix}")
-    if getattr(args, "draft_vocab_text", None):
+    if args.draft_vocab_text:
         ids = measure_and_store_draft_vocab(lm, args.draft_vocab_text, save, out)
         size = lm.card.draft_vocab_size if draft_vocab is None else draft_vocab
         lm.model.use_draft_vocab(ids[:size] if size else None)
