@@ -24,11 +24,13 @@ import gc
 import random
 from contextlib import contextmanager
 
+from common import pc  # noqa: I001  (first: sets up the backend, OpenBLAS, before mlx.core is imported)
+
 import mlx.core as mx
 
-from common import pc
 from cost_model import QWEN35_VOCAB, cost_ratios, measure_costs, qwen35_08b_text, random_mtp_model
 import mtp_serve.engine.speculative as speculative
+from mtp_serve import BACKEND
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.warmup import calibrate_blas_threads
@@ -150,6 +152,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0], help="0: the whole vocabulary")
     args = ap.parse_args()
+    print(BACKEND.note)
     rows = []
     for name in args.shapes:
         rows += run_shape(name, args)
