@@ -107,9 +107,13 @@ def main(argv=None) -> dict:
     prompts = heldout_prompts(Path(args.model), lm.tokenizer, args.prompts, args.prompt_tokens, Path(args.src))
     if not prompts:
         sys.exit("no held-out prompts found (heldout_files.json missing, or the stdlib sources are not on this machine)")
-    if args.draft_vocab:
-        return {n: measure_with_draft_vocab(lm, prompts, n, args) for n in args.draft_vocab}
-    return measure_all(lm, prompts, args)
+    if not args.draft_vocab:
+        results = {"summary": measure_all(lm, prompts, args)}
+    else:  # one run per draft-vocabulary size, written together
+        results = {"draft_vocab": {n: measure_with_draft_vocab(lm, prompts, n, args) for n in args.draft_vocab}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results.get("summary", results)
 
 
 def measure_with_draft_vocab(lm, prompts, size: int, args) -> dict:
@@ -122,6 +126,7 @@ def measure_with_draft_vocab(lm, prompts, size: int, args) -> dict:
 
 
 def measure_all(lm, prompts, args) -> dict:
+    """The summary, with the per-prompt rows under "rows"."""
     t0 = time.time()
     rows = []
     for rel, ids in prompts:
@@ -141,9 +146,7 @@ def measure_all(lm, prompts, args) -> dict:
                seconds=time.time() - t0)
     print(f"greedy depth-1 acceptance: {a1:.3f} ({h1}/{n1}); depth-2 given depth-1: {a2:.3f} ({h2}/{n2})")
     print(f"expected tokens per round: depth 1 {1 + a1:.2f}, depth 2 {1 + a1 + a1 * a2:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(summary=res, rows=[{k: v for k, v in r.items() if k != 'tokens'}
-                                                                      for r in rows]), indent=1))
+    res["rows"] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     return res
 
 
