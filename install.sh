@@ -10,7 +10,9 @@ want_test=0
 
 # Linux CPU fast path: MLX's CPU wheel links a slow reference BLAS; mtp-serve
 # preloads Debian's OpenBLAS at import time when it is installed. MLX builds its
-# fused kernels for mx.compile'd decode steps with g++ (without it they run unfused).
+# fused kernels for mx.compile'd decode steps with g++ (without it they run unfused),
+# and mtp-serve its sgemm for decode-sized products with the C compiler g++ brings
+# (mtp_serve/native/skinny_sgemm.c; without it OpenBLAS computes them, slower).
 if [ "$(uname -s)" = Linux ]; then
   missing=""
   ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0" || missing=" libopenblas0-pthread"

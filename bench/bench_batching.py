@@ -150,8 +150,8 @@ def main() -> None:
     lm = load_model(args.model or default_model_path())
     from mtp_serve.engine.warmup import calibrate_blas_threads
 
-    threads = calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
     depth = args.depth or lm.card.default_mtp_depth
+    threads = calibrate_blas_threads(lm.model, lm.tokenizer, depth)  # as mtp-serve does at start-up
     encode = lambda s: lm.tokenizer.encode(s)  # noqa: E731
     print(f"model {lm.path}  depth<={depth}  max_tokens {args.max_tokens}  {mtp_serve.BACKEND.note}")
     # Warm up (compilation, allocation) so the first measured mode is not penalised.

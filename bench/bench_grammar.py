@@ -231,7 +231,7 @@ def main() -> None:
     lm = load_model(args.model or default_model_path())
     from mtp_serve.engine.warmup import calibrate_blas_threads
 
-    calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
+    calibrate_blas_threads(lm.model, lm.tokenizer, args.depth)  # as mtp-serve does at start-up
     tokenizers = {"demo": (AutoTokenizer.from_pretrained(str(lm.path)), lm.model.vocab_size)}
     if args.train_big_tokenizer:
         train_big_tokenizer(Path(args.train_big_tokenizer))

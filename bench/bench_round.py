@@ -80,10 +80,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     lm = load_model(args.model or default_model_path())
-    from mtp_serve.engine.warmup import calibrate_blas_threads
+    from mtp_serve.engine.warmup import calibrate_blas_threads, decode_matmuls_note
 
-    threads = calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
-    print(f"model {lm.path}  {mtp_serve.BACKEND.note}; decode matmuls on {threads or 'all'} thread(s)")
+    threads = calibrate_blas_threads(lm.model, lm.tokenizer, max(args.depths))  # as mtp-serve does at start-up
+    print(f"model {lm.path}  {mtp_serve.BACKEND.note}; {decode_matmuls_note(threads)}")
     print(f"{'B':>3} {'K':>2} {'draft ms':>9} {'verify ms':>10} {'accept ms':>10} {'commit ms':>10} {'round ms':>9}   shares")
     for B in args.batch:
         for K in args.depths:

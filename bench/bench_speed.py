@@ -222,10 +222,10 @@ def run_decode(args) -> dict:
     lm = load_model(str(path))
     print(f"model {path}: {lm.mtp_status}; backbone {n_params(lm.model.model):,} params"
           + (f", head {n_params(lm.model.head):,}" if lm.model.has_mtp else "") + f"; loaded in {pc() - t0:.1f}s", flush=True)
-    from mtp_serve.engine.warmup import calibrate_blas_threads
+    from mtp_serve.engine.warmup import calibrate_blas_threads, decode_matmuls_note
 
-    threads = calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
-    print(f"decode matmuls on {threads or 'all'} OpenBLAS thread(s) for this project's paths (measured at load)")
+    threads = calibrate_blas_threads(lm.model, lm.tokenizer, max(args.depths))  # as mtp-serve does at start-up
+    print(f"{decode_matmuls_note(threads)} (measured at load, as mtp-serve does)")
     ref_model, _ = mlx_lm_load(str(path))
     fp32(ref_model)
     mx.eval(ref_model.parameters())

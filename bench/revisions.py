@@ -84,6 +84,8 @@ class RevisionWorker:
 
     def __enter__(self) -> "RevisionWorker":
         env = dict(os.environ)
+        if self.threads != "calibrate":  # decode alike: revisions without the skinny sgemm compute on OpenBLAS
+            env.setdefault("MTP_SERVE_NO_SKINNY_GEMM", "1")
         if self.rev is not None:
             self._tmp = tempfile.mkdtemp(prefix="mtp-rev-")
             env["PYTHONPATH"] = str(materialize(self.rev, Path(self._tmp))) + os.pathsep + env.get("PYTHONPATH", "")

@@ -1,13 +1,14 @@
 """Before serving: run every decode path once, so the first request does not pay
 for building compiled kernels (MLX JIT-compiles fused CPU kernels on first use
 and caches them on disk: seconds on the first run on a machine, nothing after);
-and measure how many OpenBLAS threads decode should use for this model."""
+and measure how decode-sized matmuls should run for this model (threads, skinny sgemm)."""
 
 from __future__ import annotations
 
 import time
 from typing import Optional
 
+from mtp_serve import skinny_gemm
 from mtp_serve.backend import blas_threads_adjustable, set_decode_blas_threads
 from mtp_serve.models.mtp_model import MTPModel
 
@@ -39,30 +40,52 @@ def warm_up(model: MTPModel, tokenizer, depth: int, rounds: int = 2) -> float:
     return time.perf_counter() - t0
 
 
-def calibrate_blas_threads(model: MTPModel, tokenizer, steps: int = 6, rounds: int = 3, slow_step_s: float = 0.05) -> Optional[int]:
-    """Time plain decode steps with OpenBLAS on one thread and on every core, and
-    keep the faster for decode-sized matmuls. A model whose step takes longer than
-    `slow_step_s` is bandwidth-bound and keeps every core without measuring.
-    Returns the choice (None: every core)."""
-    if not blas_threads_adjustable():
-        return None
+def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: int = 6, rounds: int = 3,
+                           slow_step_s: float = 0.05) -> Optional[int]:
+    """Time decode rounds at `depth` (the round the server runs; 0: plain steps) under
+    each way of computing decode-sized matmuls: OpenBLAS on one thread or on every
+    core, each with and without mtp-serve's skinny sgemm (`skinny_gemm.py`), and keep
+    the fastest. Which wins depends on the model and the round: on the demo model
+    (matrices in cache) OpenBLAS on every core ran depth-4 rounds 1.2x faster than the
+    skinny sgemm, which ran them 1.16x faster than OpenBLAS on one thread, the choice a
+    plain step preferred (bench/bench_speed.py). A model whose round takes longer than
+    `slow_step_s` is bandwidth-bound and keeps every core and the skinny sgemm
+    without measuring (it streams weights ~2x faster there: README, "Decode matmuls").
+    Returns the thread choice (None: every core); `skinny_gemm.enabled()` tells the other."""
+    depth = depth if model.has_mtp else 0
     batch = Batch()
-    batch.add(_prefilled(model, tokenizer, [1, 2, 3, 4, 5, 6, 7, 8], 0))
-    step = lambda: run_round(model, batch, [0])  # noqa: E731
+    batch.add(_prefilled(model, tokenizer, [1, 2, 3, 4, 5, 6, 7, 8], depth))
+    step = lambda: run_round(model, batch, [depth])  # noqa: E731
+    choices = [(n, skinny) for skinny in ((True, False) if skinny_gemm.active() else (False,))
+               for n in ((1, None) if blas_threads_adjustable() else (None,))]
     t0 = time.perf_counter()
     step()
     if time.perf_counter() - t0 > slow_step_s:
-        set_decode_blas_threads(None)
-        return None
-    best: dict = {}
-    for _ in range(rounds):  # alternating, so a noisy moment does not decide alone
-        for n in (1, None):
-            set_decode_blas_threads(n)
-            step()  # the switch itself
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
-    choice = min(best, key=best.get)
-    set_decode_blas_threads(choice)
-    return choice
+        choice = (None, skinny_gemm.active())
+    elif len(choices) == 1:
+        choice = choices[0]
+    else:
+        best: dict = {}
+        for _ in range(rounds):  # alternating, so a noisy moment does not decide alone
+            for c in choices:
+                _use(c)
+                step()  # the switch itself
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                best[c] = min(best.get(c, float("inf")), time.perf_counter() - t0)
+        choice = min(best, key=best.get)
+    _use(choice)
+    return choice[0]
+
+
+def decode_matmuls_note(threads: Optional[int]) -> str:
+    """The calibrated choice, for start-up logs and benchmark headers."""
+    how = "mtp-serve's skinny sgemm" if skinny_gemm.enabled() else "OpenBLAS"
+    return f"decode matmuls: {how} on {threads or 'all'} thread(s)"
+
+
+def _use(choice: tuple) -> None:
+    threads, skinny = choice
+    set_decode_blas_threads(threads)
+    skinny_gemm.set_enabled(skinny)

@@ -13,6 +13,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from . import skinny_gemm
+
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -45,11 +47,14 @@ def _preload_openblas() -> str:
     paths = [os.environ["MTP_SERVE_OPENBLAS"]] if os.environ.get("MTP_SERVE_OPENBLAS") else []
     for path in paths + list(OPENBLAS_CANDIDATES):
         if os.path.exists(path):
+            shim = skinny_gemm.load_before_openblas()  # first in the global scope: MLX's sgemm calls reach it
             try:
                 _OPENBLAS = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                return path
             except OSError:
                 continue
+            if shim is not None:
+                skinny_gemm.attach_fallback(shim, _OPENBLAS)
+            return path
     return ""
 
 
@@ -75,6 +80,7 @@ def set_blas_threads(n: int | None) -> None:
     n = n or os.cpu_count() or 1
     if n != _blas_threads:
         _OPENBLAS.openblas_set_num_threads(n)
+        skinny_gemm.set_threads(n)
         _blas_threads = n
 
 
@@ -110,6 +116,8 @@ def setup_backend() -> Backend:
         note = "MLX GPU backend, bf16 compute"
     elif blas:
         note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas}"
+        if skinny_gemm.active():
+            note += " (decode-sized products: mtp-serve's skinny sgemm)"
     elif mlx_already_loaded:
         note = "MLX CPU backend, fp32 compute, reference BLAS (mlx.core was imported before mtp_serve: OpenBLAS not preloaded)"
     else:

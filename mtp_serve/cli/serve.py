@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     if loaded.mtp_fix:
         print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
               flush=True)
-    from mtp_serve.engine.warmup import calibrate_blas_threads, warm_up
+    from mtp_serve.engine.warmup import calibrate_blas_threads, decode_matmuls_note, warm_up
 
     log = logging.getLogger("mtp_serve")
     log.info("warming up the decode paths (the first run on a machine also compiles kernels)")
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
     else:
         try:
             log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
-            threads = calibrate_blas_threads(loaded.model, loaded.tokenizer)
-            log.info("decode matmuls on %s OpenBLAS thread(s) (measured)", threads or "all")
+            threads = calibrate_blas_threads(loaded.model, loaded.tokenizer, depth)
+            log.info("%s (measured)", decode_matmuls_note(threads))
         except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     if group is not None:

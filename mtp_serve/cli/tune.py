@@ -143,7 +143,7 @@ def measure(lm, max_depth: int, max_tokens: int, repeats: int, progress: Callabl
     progress("warming up (the first run on a machine also compiles kernels)")
     for depth in modes:  # compile every path once, untimed
         run(depth, prompts[0], 8)
-    calibrate_blas_threads(lm.model, lm.tokenizer)  # as mtp-serve does at start-up
+    calibrate_blas_threads(lm.model, lm.tokenizer, max_depth)  # as mtp-serve does at start-up
     for r in range(repeats):
         order = list(modes) if r % 2 == 0 else list(reversed(modes))
         progress(f"repeat {r + 1}/{repeats}")

@@ -1,0 +1,213 @@
+/* cblas_sgemm for decode-sized products, in front of OpenBLAS's.
+
+   MLX's CPU backend computes every fp32 matmul with cblas_sgemm. A decode step
+   or a verify window multiplies a few rows (M <= 8) by each weight matrix:
+   y = x W^T with W [N, K] row-major, read once per step, so the time is the
+   time to stream W from memory. Debian's OpenBLAS 0.3.21 sgemm takes those
+   shapes through its packing gemm path at about 13 GB/s on this project's
+   machines (a 248,320 x 1,024 LM head: 80 ms at M = 1, 102 ms at M = 4), while
+   its own sgemv streams 31 GB/s (32 ms). This file exports `cblas_sgemm`; it is
+   loaded (RTLD_GLOBAL) before OpenBLAS, so MLX's calls reach it first. Products
+   of that shape go through the kernel below; everything else is passed on
+   unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
+
+   Every output element is one 8-lane FMA chain over k, then the same horizontal
+   sum and scalar tail, whatever M is and however rows are grouped or split over
+   threads: a row's result does not depend on the other rows of the product, so a
+   verify window's logits equal, bit for bit, the one-token steps' (OpenBLAS's
+   M = 1 and M > 1 paths round differently).
+
+   Threads: a small pool of pthreads (the caller is thread 0) splits the N rows
+   of W; products under `thread_min` elements of W run on the caller alone. */
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TGT __attribute__((target("avx2,fma")))
+#define MAX_ROWS 8
+#define MAX_THREADS 64
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                         float *, int);
+
+static sgemm_fn fallback;
+static int n_threads = 1;
+static long thread_min = 1L << 18;
+static long skinny_min = 0; /* smaller W: OpenBLAS (in cache, its kernels win) */
+static long calls;
+
+/* ------------------------------------------------------------------ kernel */
+
+TGT static inline float hsum256(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
+    return _mm_cvtss_f32(s);
+}
+
+/* R rows of w against M rows of x (both compile-time constants after inlining). */
+TGT static inline __attribute__((always_inline)) void block(const int R, const int M, long n, int K, const float *x,
+                                                             int ldx, const float *w, int ldw, float *out, int ldo) {
+    __m256 acc[16];
+    for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    const int K8 = K & ~7;
+    for (int k = 0; k < K8; k += 8) {
+        __m256 xv[8];
+        for (int m = 0; m < M; m++) xv[m] = _mm256_loadu_ps(x + (size_t)m * ldx + k);
+        for (int r = 0; r < R; r++) {
+            __m256 wv = _mm256_loadu_ps(w + (size_t)(n + r) * ldw + k);
+            for (int m = 0; m < M; m++) acc[r * M + m] = _mm256_fmadd_ps(xv[m], wv, acc[r * M + m]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float *wr = w + (size_t)(n + r) * ldw;
+        for (int m = 0; m < M; m++) {
+            float s = hsum256(acc[r * M + m]);
+            for (int k = K8; k < K; k++) s += x[(size_t)m * ldx + k] * wr[k];
+            out[(size_t)m * ldo + n + r] = s;
+        }
+    }
+}
+
+/* Rows [n0, n1) of W against rows [m0, m0 + M) of x. */
+#define BLOCK(R, m0, M, n) block(R, M, n, K, x + (size_t)(m0) * ldx, ldx, w, ldw, out + (size_t)(m0) * ldo, ldo)
+
+/* Rows [n0, n1) of W. R is chosen per M to keep the accumulators in the 16 registers;
+   past 5 rows of x, each group of R rows of W (in L1 by then) meets x in two parts. */
+#define SPAN(R, M1, M2)                                                                \
+    {                                                                                  \
+        long n = n0;                                                                   \
+        for (; n + R <= n1; n += R) {                                                  \
+            BLOCK(R, 0, M1, n);                                                        \
+            if (M2) BLOCK(R, M1, M2, n);                                               \
+        }                                                                              \
+        for (; n < n1; n++) {                                                          \
+            BLOCK(1, 0, M1, n);                                                        \
+            if (M2) BLOCK(1, M1, M2, n);                                               \
+        }                                                                              \
+    }                                                                                  \
+    break;
+
+TGT static void span(int M, long n0, long n1, int K, const float *x, int ldx, const float *w, int ldw, float *out,
+                     int ldo) {
+    switch (M) {
+        case 1: SPAN(4, 1, 0)
+        case 2: SPAN(4, 2, 0)
+        case 3: SPAN(4, 3, 0)
+        case 4: SPAN(2, 4, 0)
+        case 5: SPAN(2, 5, 0)
+        case 6: SPAN(2, 3, 3)
+        case 7: SPAN(2, 4, 3)
+        default: SPAN(2, 4, 4)
+    }
+}
+
+/* ------------------------------------------------------------ thread pool */
+
+typedef struct {
+    int M, K, ldx, ldw, ldo, parts;
+    long N;
+    const float *x, *w;
+    float *out;
+} job_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
+static job_t job;
+static unsigned long generation;
+static int pending, started;
+
+static void part(const job_t *j, int p) {
+    long n0 = j->N * p / j->parts, n1 = j->N * (p + 1) / j->parts;
+    span(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->out, j->ldo);
+}
+
+static void *worker(void *arg) {
+    int p = (int)(intptr_t)arg;
+    unsigned long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&lock);
+        while (generation == seen) pthread_cond_wait(&wake, &lock);
+        seen = generation;
+        job_t j = job;
+        pthread_mutex_unlock(&lock);
+        if (p < j.parts) part(&j, p);
+        pthread_mutex_lock(&lock);
+        if (--pending == 0) pthread_cond_signal(&done);
+        pthread_mutex_unlock(&lock);
+    }
+    return NULL;
+}
+
+static int start_pool(void) {
+    for (int p = started + 1; p < n_threads; p++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)p) != 0) break;
+        pthread_detach(t);
+        started = p;
+    }
+    return started + 1;
+}
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one parallel product at a time */
+
+static void skinny(int M, long N, int K, const float *x, int ldx, const float *w, int ldw, float *out, int ldo) {
+    job_t j = {M, K, ldx, ldw, ldo, 1, N, x, w, out};
+    if (n_threads <= 1 || N * (long)K < thread_min || pthread_mutex_trylock(&call_lock) != 0) {
+        span(M, 0, N, K, x, ldx, w, ldw, out, ldo);
+        return;
+    }
+    int workers = start_pool();
+    j.parts = workers < n_threads ? workers : n_threads;
+    pthread_mutex_lock(&lock);
+    job = j;
+    pending = started;
+    generation++;
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+    part(&j, 0);
+    pthread_mutex_lock(&lock);
+    while (pending > 0) pthread_cond_wait(&done, &lock);
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&call_lock);
+}
+
+/* ------------------------------------------------------------- interface */
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= MAX_ROWS && K >= 8 && (long)N * K >= skinny_min &&
+        alpha == 1.0f && beta == 0.0f) {
+        __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+        skinny(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
+    if (fallback == NULL) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* no OpenBLAS attached */
+    fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+int mtp_skinny_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+void mtp_skinny_set_fallback(sgemm_fn fn) { fallback = fn; }
+
+void mtp_skinny_set_threads(int n) {
+    pthread_mutex_lock(&call_lock);
+    n_threads = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
+    pthread_mutex_unlock(&call_lock);
+}
+
+void mtp_skinny_set_thread_min(long elements) { thread_min = elements; }
+
+void mtp_skinny_set_min(long elements) { skinny_min = elements; }
+
+long mtp_skinny_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }

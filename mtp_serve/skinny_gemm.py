@@ -1,0 +1,120 @@
+"""Build and load `native/skinny_sgemm.c`: a `cblas_sgemm` that takes decode-sized
+products (at most 8 rows) off OpenBLAS's packing gemm (see the C file for why).
+
+Built once per source version with the system C compiler into the user's cache
+(~/.cache/mtp-serve), like MLX's own compiled kernels, and loaded with
+RTLD_GLOBAL before OpenBLAS so that MLX's `cblas_sgemm` calls reach it first.
+Skipped (OpenBLAS alone, as before) on CPUs without AVX2 and FMA, without a C
+compiler, or with MTP_SERVE_NO_SKINNY_GEMM=1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).parent / "native" / "skinny_sgemm.c"
+
+_LIB: Optional[ctypes.CDLL] = None
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mtp-serve"
+
+
+def _build() -> Optional[Path]:
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    name = f"skinny_sgemm-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "mtp-serve"):
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f"{name}.{os.getpid()}.tmp"
+            subprocess.run([compiler, "-O3", "-funroll-loops", "-fPIC", "-shared", "-pthread", str(SOURCE),
+                            "-o", str(partial), "-ldl"], check=True, capture_output=True, timeout=120)
+            os.replace(partial, target)  # atomic: concurrent processes never load a half-written file
+            return target
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
+
+
+def load_before_openblas() -> Optional[ctypes.CDLL]:
+    """Load the shim into the global symbol scope (call before OpenBLAS is loaded); None when skipped."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    if os.environ.get("MTP_SERVE_NO_SKINNY_GEMM") == "1" or not _cpu_has_avx2_fma():
+        return None
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    if not lib.mtp_skinny_supported():
+        return None
+    lib.mtp_skinny_set_threads.argtypes = [ctypes.c_int]
+    lib.mtp_skinny_set_thread_min.argtypes = [ctypes.c_long]
+    lib.mtp_skinny_set_min.argtypes = [ctypes.c_long]
+    lib.mtp_skinny_calls.restype = ctypes.c_long
+    user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    lib.mtp_skinny_set_threads(int(user_threads) if user_threads.isdigit() else os.cpu_count() or 1)
+    _LIB = lib
+    return lib
+
+
+def attach_fallback(lib: ctypes.CDLL, openblas: ctypes.CDLL) -> None:
+    """Products the shim does not take go to OpenBLAS's own cblas_sgemm."""
+    lib.mtp_skinny_set_fallback(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p))
+
+
+def active() -> bool:
+    """Loaded (it can take decode-sized products)."""
+    return _LIB is not None
+
+
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Off: every product goes to OpenBLAS (calibration measures both)."""
+    global _enabled
+    if _LIB is not None:
+        _LIB.mtp_skinny_set_min(0 if on else 1 << 62)
+        _enabled = on
+
+
+def enabled() -> bool:
+    return _LIB is not None and _enabled
+
+
+def set_threads(n: int) -> None:
+    if _LIB is not None:
+        _LIB.mtp_skinny_set_threads(n)
+
+
+def calls() -> int:
+    """Products the shim has computed in this process (tests check it is on the path)."""
+    return _LIB.mtp_skinny_calls() if _LIB is not None else 0

@@ -1,0 +1,77 @@
+"""The skinny sgemm (mtp_serve/native/skinny_sgemm.c): MLX's decode-sized matmuls go
+through it, its results are right, a row's result never depends on the other rows
+of the product (so a verify window's logits equal the one-token steps'), and every
+other product still reaches OpenBLAS unchanged."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_serve import BACKEND, skinny_gemm
+from mtp_serve.backend import set_blas_threads
+
+expected_active = bool(BACKEND.blas) and skinny_gemm._cpu_has_avx2_fma() and not os.environ.get("MTP_SERVE_NO_SKINNY_GEMM")
+needs_shim = pytest.mark.skipif(not expected_active, reason="no OpenBLAS or no AVX2/FMA here: the shim is not loaded")
+
+
+def _reference(x: mx.array, w: mx.array) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+
+
+def _close(y: mx.array, x: mx.array, w: mx.array) -> None:
+    # fp32 accumulation over K terms: error bound relative to the sum of |products|
+    scale = np.abs(np.asarray(x, dtype=np.float64)) @ np.abs(np.asarray(w, dtype=np.float64)).T
+    err = np.abs(np.asarray(y, dtype=np.float64) - _reference(x, w))
+    assert (err <= 1e-6 * scale * np.sqrt(x.shape[-1]) + 1e-30).all(), float((err / scale).max())
+
+
+def test_loaded_wherever_openblas_and_avx2_are():
+    assert skinny_gemm.active() == expected_active
+    if expected_active:
+        assert "skinny sgemm" in BACKEND.note
+
+
+@needs_shim
+@pytest.mark.parametrize("N,K", [(300, 200), (37, 13), (4096, 1024), (1000, 8)])
+def test_decode_sized_products_are_computed_by_it_and_right(N, K):
+    w = mx.random.normal((N, K), key=mx.random.key(N + K))
+    for M in range(1, 9):
+        x = mx.random.normal((1, M, K), key=mx.random.key(M))
+        before = skinny_gemm.calls()
+        y = x @ w.T
+        mx.eval(y)
+        assert skinny_gemm.calls() > before, f"M={M} did not reach the shim"
+        _close(y[0], x[0], w)
+
+
+@needs_shim
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_the_other_rows(threads):
+    set_blas_threads(threads)
+    try:
+        for N, K in [(576, 192), (1 << 12, 1 << 10)]:  # the second is large enough to be split over threads
+            w = mx.random.normal((N, K), key=mx.random.key(7))
+            x = mx.random.normal((8, K), key=mx.random.key(8))
+            alone = [x[i : i + 1] @ w.T for i in range(8)]
+            for M in range(1, 9):
+                together = x[:M] @ w.T
+                for i in range(M):
+                    assert mx.array_equal(together[i : i + 1], alone[i]).item(), (N, K, M, i)
+    finally:
+        set_blas_threads(None)
+
+
+def test_other_products_are_passed_to_openblas_unchanged():
+    w = mx.random.normal((640, 96), key=mx.random.key(1))
+    for M in (9, 64, 300):  # more rows than a decode product
+        x = mx.random.normal((M, 96), key=mx.random.key(M))
+        _close(x @ w.T, x, w)
+    x = mx.random.normal((4, 96), key=mx.random.key(2))
+    _close(x @ mx.contiguous(w.T), x, w)  # B not transposed
+    c = mx.random.normal((4, 640), key=mx.random.key(3))
+    y = mx.addmm(c, x, w.T, alpha=0.5, beta=2.0)  # alpha, beta
+    assert np.allclose(np.asarray(y), 0.5 * _reference(x, w) + 2.0 * np.asarray(c), rtol=1e-4, atol=1e-4)
