@@ -46,9 +46,9 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     each way of computing decode-sized matmuls: OpenBLAS on one thread or on every
     core, each with and without mtp-serve's skinny sgemm (`skinny_gemm.py`), and keep
     the fastest. Which wins depends on the model and the round: on the demo model
-    (matrices in cache) OpenBLAS on every core ran depth-4 rounds 1.2x faster than the
-    skinny sgemm, which ran them 1.16x faster than OpenBLAS on one thread, the choice a
-    plain step preferred (bench/bench_speed.py). A model whose round takes longer than
+    (matrices in cache) OpenBLAS on every core decoded at depth 4 1.2x faster than the
+    skinny sgemm and 1.35x faster than OpenBLAS on one thread, a choice plain steps alone
+    had made (bench/bench_decode_matmuls.py). A model whose round takes longer than
     `slow_step_s` is bandwidth-bound and keeps every core and the skinny sgemm
     without measuring (it streams weights ~2x faster there: README, "Decode matmuls").
     Returns the thread choice (None: every core); `skinny_gemm.enabled()` tells the other."""

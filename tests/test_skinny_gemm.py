@@ -75,3 +75,29 @@ def test_other_products_are_passed_to_openblas_unchanged():
     c = mx.random.normal((4, 640), key=mx.random.key(3))
     y = mx.addmm(c, x, w.T, alpha=0.5, beta=2.0)  # alpha, beta
     assert np.allclose(np.asarray(y), 0.5 * _reference(x, w) + 2.0 * np.asarray(c), rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_picks_a_path_and_both_paths_decode_exactly(checkpoint_dir, loaded):
+    """Start-up calibration measures rounds at the server's depth on OpenBLAS and on the
+    skinny sgemm; whichever it keeps (and the other), greedy MTP stays mlx-lm's output."""
+    from test_greedy_identity import PROMPTS, assert_identical_or_near_tie, mtp_greedy, reference_greedy
+
+    from mtp_serve.engine.warmup import calibrate_blas_threads, decode_matmuls_note
+
+    lm = loaded("qwen3_5", agreeable=True)
+    try:
+        threads = calibrate_blas_threads(lm.model, lm.tokenizer, 3)
+        assert threads in (1, None)
+        assert ("skinny" in decode_matmuls_note(threads)) == skinny_gemm.enabled()
+        ref, gaps = reference_greedy(checkpoint_dir("qwen3_5", agreeable=True), PROMPTS[1], 48)
+        for skinny in (True, False):
+            skinny_gemm.set_enabled(skinny)
+            for depth in (0, 3):
+                ours, _ = mtp_greedy(lm, PROMPTS[1], depth, 48)
+                assert_identical_or_near_tie(ours, ref, gaps, f"skinny={skinny} depth {depth}")
+    finally:
+        skinny_gemm.set_enabled(True)
+        set_blas_threads(None)
+        from mtp_serve.backend import set_decode_blas_threads
+
+        set_decode_blas_threads(None)
