@@ -18,6 +18,15 @@ expected_active = bool(BACKEND.blas) and skinny_gemm._cpu_has_avx2_fma() and not
 needs_shim = pytest.mark.skipif(not expected_active, reason="no OpenBLAS or no AVX2/FMA here: the shim is not loaded")
 
 
+@pytest.fixture(autouse=True)
+def skinny_on():
+    """An in-process server's start-up calibration may have switched it off for its model."""
+    was = skinny_gemm.enabled()
+    skinny_gemm.set_enabled(True)
+    yield
+    skinny_gemm.set_enabled(was)
+
+
 def _reference(x: mx.array, w: mx.array) -> np.ndarray:
     return np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
 
@@ -96,7 +105,6 @@ def test_calibration_picks_a_path_and_both_paths_decode_exactly(checkpoint_dir, 
                 ours, _ = mtp_greedy(lm, PROMPTS[1], depth, 48)
                 assert_identical_or_near_tie(ours, ref, gaps, f"skinny={skinny} depth {depth}")
     finally:
-        skinny_gemm.set_enabled(True)
         set_blas_threads(None)
         from mtp_serve.backend import set_decode_blas_threads
 
