@@ -76,7 +76,6 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     if not lib.mtp_skinny_supported():
         return None
     lib.mtp_skinny_set_threads.argtypes = [ctypes.c_int]
-    lib.mtp_skinny_set_thread_min.argtypes = [ctypes.c_long]
     lib.mtp_skinny_set_min.argtypes = [ctypes.c_long]
     lib.mtp_skinny_calls.restype = ctypes.c_long
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")

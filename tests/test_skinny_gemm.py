@@ -74,6 +74,19 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(threads):
         set_blas_threads(None)
 
 
+@needs_shim
+def test_threads_added_later_take_only_new_products():
+    """Workers started after earlier parallel products must not replay the last one."""
+    w = mx.random.normal((1 << 12, 1 << 10), key=mx.random.key(11))
+    try:
+        for threads in (2, 3, 4, 2, 4):
+            set_blas_threads(threads)
+            x = mx.random.normal((3, 1 << 10), key=mx.random.key(threads))
+            _close(x @ w.T, x, w)
+    finally:
+        set_blas_threads(None)
+
+
 def test_other_products_are_passed_to_openblas_unchanged():
     w = mx.random.normal((640, 96), key=mx.random.key(1))
     for M in (9, 64, 300):  # more rows than a decode product

@@ -38,7 +38,7 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 
 static sgemm_fn fallback;
 static int n_threads = 1;
-static long thread_min = 1L << 18;
+static const long thread_min = 1L << 18; /* smaller W (under 1 MB): waking the pool costs more than it saves */
 static long skinny_min = 0; /* smaller W: OpenBLAS (in cache, its kernels win) */
 static long calls;
 
@@ -123,6 +123,7 @@ static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITI
 static job_t job;
 static unsigned long generation;
 static int pending, started;
+static unsigned long first_job[MAX_THREADS]; /* a worker takes jobs published after it was created */
 
 static void part(const job_t *j, int p) {
     long n0 = j->N * p / j->parts, n1 = j->N * (p + 1) / j->parts;
@@ -131,7 +132,7 @@ static void part(const job_t *j, int p) {
 
 static void *worker(void *arg) {
     int p = (int)(intptr_t)arg;
-    unsigned long seen = 0;
+    unsigned long seen = first_job[p];
     for (;;) {
         pthread_mutex_lock(&lock);
         while (generation == seen) pthread_cond_wait(&wake, &lock);
@@ -146,9 +147,10 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-static int start_pool(void) {
+static int start_pool(void) { /* under call_lock: no job is being published */
     for (int p = started + 1; p < n_threads; p++) {
         pthread_t t;
+        first_job[p] = generation;
         if (pthread_create(&t, NULL, worker, (void *)(intptr_t)p) != 0) break;
         pthread_detach(t);
         started = p;
@@ -181,21 +183,23 @@ static void skinny(int M, long N, int K, const float *x, int ldx, const float *w
 
 /* ------------------------------------------------------------- interface */
 
+int mtp_skinny_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {
-    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= MAX_ROWS && K >= 8 && (long)N * K >= skinny_min &&
-        alpha == 1.0f && beta == 0.0f) {
+    static int supported = -1; /* loaded into the global scope before anyone could check: check here */
+    if (supported < 0) supported = mtp_skinny_supported();
+    if (supported && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= MAX_ROWS &&
+        K >= 8 && (long)N * K >= skinny_min && alpha == 1.0f && beta == 0.0f) {
         __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
         skinny(M, N, K, A, lda, B, ldb, C, ldc);
         return;
     }
     if (fallback == NULL) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* no OpenBLAS attached */
     fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-
-int mtp_skinny_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 void mtp_skinny_set_fallback(sgemm_fn fn) { fallback = fn; }
@@ -205,8 +209,6 @@ void mtp_skinny_set_threads(int n) {
     n_threads = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
     pthread_mutex_unlock(&call_lock);
 }
-
-void mtp_skinny_set_thread_min(long elements) { thread_min = elements; }
 
 void mtp_skinny_set_min(long elements) { skinny_min = elements; }
 
