@@ -4,7 +4,8 @@
 
 Modes (switched in this process, alternating, so machine noise spreads over them):
 OpenBLAS on one thread / on every core, and the skinny sgemm
-(`mtp_serve/native/skinny_sgemm.c`) on one thread / on every core. For each mode:
+(`mtp_serve/native/skinny_sgemm.c`) on one thread / on every core, here taking every
+product of at most 8 rows (mtp-serve leaves weights under 4 MB to OpenBLAS). For each mode:
 
 1. y = x W^T with x of M = 1..8 rows, at Qwen3.5-0.8B's LM-head and MLP shapes:
    milliseconds and effective GB/s of weights streamed;
@@ -40,7 +41,7 @@ PROMPTS = ["import os\nimport sys\n\ndef main(argv):\n    ", "class Stack:\n    
 
 def use(mode: Mode) -> None:
     _, skinny, threads = mode
-    skinny_gemm.set_enabled(skinny)
+    skinny_gemm.set_enabled(skinny, min_elements=0)  # every product of at most 8 rows, small matrices too
     set_decode_blas_threads(threads)
 
 

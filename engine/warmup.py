@@ -46,11 +46,11 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     each way of computing decode-sized matmuls: OpenBLAS on one thread or on every
     core, each with and without mtp-serve's skinny sgemm (`skinny_gemm.py`), and keep
     the fastest. Which wins depends on the model and the round: on the demo model
-    (matrices in cache) OpenBLAS on every core decoded at depth 4 1.2x faster than the
-    skinny sgemm and 1.35x faster than OpenBLAS on one thread, a choice plain steps alone
-    had made (bench/bench_decode_matmuls.py). A model whose round takes longer than
-    `slow_step_s` is bandwidth-bound and keeps every core and the skinny sgemm
-    without measuring (it streams weights ~2x faster there: README, "Decode matmuls").
+    (matrices in cache) OpenBLAS on every core decoded at depth 4 1.35x faster than on
+    one thread, a choice plain steps alone had made (bench/bench_decode_matmuls.py). A
+    model whose round takes longer than `slow_step_s` is bandwidth-bound and keeps
+    every core and the skinny sgemm without measuring (it streams weights ~2x faster
+    there: README, "Decode matmuls").
     Returns the thread choice (None: every core); `skinny_gemm.enabled()` tells the other."""
     depth = depth if model.has_mtp else 0
     batch = Batch()
@@ -81,7 +81,7 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
 
 def decode_matmuls_note(threads: Optional[int]) -> str:
     """The calibrated choice, for start-up logs and benchmark headers."""
-    how = "mtp-serve's skinny sgemm" if skinny_gemm.enabled() else "OpenBLAS"
+    how = "OpenBLAS, mtp-serve's skinny sgemm for weights of 4 MB or more" if skinny_gemm.enabled() else "OpenBLAS"
     return f"decode matmuls: {how} on {threads or 'all'} thread(s)"
 
 

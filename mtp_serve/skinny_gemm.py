@@ -24,6 +24,11 @@ SOURCE = Path(__file__).parent / "native" / "skinny_sgemm.c"
 
 _LIB: Optional[ctypes.CDLL] = None
 
+# Weights smaller than this (4 MB in fp32) sit in cache, where streaming speed does not
+# matter and OpenBLAS's gemm kernels won (demo model: depth-4 MTP 1.2x faster on OpenBLAS,
+# bench/bench_decode_matmuls.py); larger ones are bandwidth-bound, where this sgemm wins.
+DEFAULT_MIN_ELEMENTS = 1 << 20
+
 
 def _cpu_has_avx2_fma() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -78,6 +83,7 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_set_threads.argtypes = [ctypes.c_int]
     lib.mtp_skinny_set_min.argtypes = [ctypes.c_long]
     lib.mtp_skinny_calls.restype = ctypes.c_long
+    lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
     lib.mtp_skinny_set_threads(int(user_threads) if user_threads.isdigit() else os.cpu_count() or 1)
     _LIB = lib
@@ -97,11 +103,12 @@ def active() -> bool:
 _enabled = True
 
 
-def set_enabled(on: bool) -> None:
-    """Off: every product goes to OpenBLAS (calibration measures both)."""
+def set_enabled(on: bool, min_elements: int = DEFAULT_MIN_ELEMENTS) -> None:
+    """On: products of at most 8 rows whose W has `min_elements` or more (0: all of
+    them, as tests and benchmarks use it); off: every product goes to OpenBLAS."""
     global _enabled
     if _LIB is not None:
-        _LIB.mtp_skinny_set_min(0 if on else 1 << 62)
+        _LIB.mtp_skinny_set_min(min_elements if on else 1 << 62)
         _enabled = on
 
 

@@ -22,7 +22,7 @@ needs_shim = pytest.mark.skipif(not expected_active, reason="no OpenBLAS or no A
 def skinny_on():
     """An in-process server's start-up calibration may have switched it off for its model."""
     was = skinny_gemm.enabled()
-    skinny_gemm.set_enabled(True)
+    skinny_gemm.set_enabled(True, min_elements=0)  # the test models' small matrices too
     yield
     skinny_gemm.set_enabled(was)
 
@@ -113,7 +113,7 @@ def test_calibration_picks_a_path_and_both_paths_decode_exactly(checkpoint_dir, 
         assert ("skinny" in decode_matmuls_note(threads)) == skinny_gemm.enabled()
         ref, gaps = reference_greedy(checkpoint_dir("qwen3_5", agreeable=True), PROMPTS[1], 48)
         for skinny in (True, False):
-            skinny_gemm.set_enabled(skinny)
+            skinny_gemm.set_enabled(skinny, min_elements=0)
             for depth in (0, 3):
                 ours, _ = mtp_greedy(lm, PROMPTS[1], depth, 48)
                 assert_identical_or_near_tie(ours, ref, gaps, f"skinny={skinny} depth {depth}")

@@ -17,6 +17,10 @@
    verify window's logits equal, bit for bit, the one-token steps' (OpenBLAS's
    M = 1 and M > 1 paths round differently).
 
+   Only products whose W has at least `skinny_min` elements are taken (the loader
+   sets 1M, 4 MB: below that W sits in cache, streaming speed does not matter and
+   OpenBLAS's kernels won on the demo model).
+
    Threads: a small pool of pthreads (the caller is thread 0) splits the N rows
    of W; products under `thread_min` elements of W run on the caller alone. */
 
@@ -39,7 +43,7 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 static sgemm_fn fallback;
 static int n_threads = 1;
 static const long thread_min = 1L << 18; /* smaller W (under 1 MB): waking the pool costs more than it saves */
-static long skinny_min = 0; /* smaller W: OpenBLAS (in cache, its kernels win) */
+static long skinny_min = 0; /* elements of W below which OpenBLAS computes (`mtp_skinny_set_min`) */
 static long calls;
 
 /* ------------------------------------------------------------------ kernel */
