@@ -117,7 +117,7 @@ def setup_backend() -> Backend:
     elif blas:
         note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas}"
         if skinny_gemm.active():
-            note += " (decode-sized products: mtp-serve's skinny sgemm)"
+            note += " (decode-sized products on weights of 4 MB or more: mtp-serve's skinny sgemm)"
     elif mlx_already_loaded:
         note = "MLX CPU backend, fp32 compute, reference BLAS (mlx.core was imported before mtp_serve: OpenBLAS not preloaded)"
     else:
