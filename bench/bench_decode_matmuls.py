@@ -18,7 +18,7 @@ product of at most 8 rows (mtp-serve leaves weights under 4 MB to OpenBLAS). For
 
 from __future__ import annotations
 
-from common import pc  # noqa: I001  (first: sets up the backend, OpenBLAS, before mlx.core is imported)
+from common import median_seconds, pc  # noqa: I001  (first: sets up the backend, OpenBLAS, before mlx.core is imported)
 
 import argparse
 import statistics
@@ -45,16 +45,6 @@ def use(mode: Mode) -> None:
     set_decode_blas_threads(threads)
 
 
-def timed(f, n: int) -> float:
-    f()
-    ts = []
-    for _ in range(n):
-        t = pc()
-        f()
-        ts.append(pc() - t)
-    return statistics.median(ts)
-
-
 def matmul_table(modes: List[Mode]) -> None:
     from mtp_serve.backend import blas_threads_for
 
@@ -70,9 +60,9 @@ def matmul_table(modes: List[Mode]) -> None:
             for M in (1, 2, 4, 5, 8):
                 x = mx.random.normal((M, K))
                 mx.eval(x)
-                reps = 5 if N * K > 1 << 24 else 50
-                s = timed(lambda: mx.eval([x @ W.T for _ in range(1 if N * K > 1 << 24 else 20)]), reps)
-                s /= 1 if N * K > 1 << 24 else 20
+                big = N * K > 1 << 24  # a small product is timed 20 at a time, as a decode step issues them
+                per_call, reps = (1, 5) if big else (20, 50)
+                s = median_seconds(lambda: mx.eval([x @ W.T for _ in range(per_call)]), reps) / per_call
                 cells.append(f"M{M} {s * 1e3:6.2f} ({N * K * 4 / s / 1e9:4.1f})")
             print(f"    {mode[0]:14s} " + "  ".join(cells))
         del W

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, pc, write_json  # noqa: E402  (sets up the backend before mlx)
+from common import environment, median_seconds, pc, write_json  # noqa: E402  (sets up the backend before mlx)
 
 import mlx.core as mx  # noqa: E402
 
@@ -99,13 +99,7 @@ def replay(ops, mode: str, rank: int, size: int, reps: int = 21) -> float:
         if prev is not None:
             mx.eval(prev)
 
-    round_once()
-    times = []
-    for _ in range(reps):
-        t0 = pc()
-        round_once()
-        times.append(pc() - t0)
-    return sorted(times)[len(times) // 2]  # the median: a busy machine adds outliers
+    return median_seconds(round_once, reps)
 
 
 # ---------------------------------------------------------------- one configuration (every rank runs this)

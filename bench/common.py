@@ -42,6 +42,17 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def median_seconds(f, reps: int) -> float:
+    """Median seconds of `reps` timed calls of f, after one untimed call (a busy machine adds outliers)."""
+    f()
+    times = []
+    for _ in range(reps):
+        t0 = pc()
+        f()
+        times.append(pc() - t0)
+    return statistics.median(times)
+
+
 def load_prompts(model_dir: Path, tokenizer, n: int, length: int) -> tuple[list[tuple[str, list[int]]], str]:
     """Held-out code prompts: demo_acceptance's source when it applies, else stdlib files."""
     src = Path(os.__file__).parent
