@@ -337,6 +337,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if 1 not in args.ranks:  # checked before minutes of launches, not after them in the table
+        p.error("--ranks must include 1: every figure is compared with one rank's plain decoding")
     with tempfile.TemporaryDirectory() as tmp:
         args.model = model_path(args.model, Path(tmp))
         best: dict = {}  # per configuration and depth, the fastest pass (load on the machine only slows)
