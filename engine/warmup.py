@@ -8,6 +8,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from mtp_serve import skinny_gemm
 from mtp_serve.backend import blas_threads_adjustable, set_decode_blas_threads
 from mtp_serve.models.mtp_model import MTPModel
@@ -44,8 +47,8 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
                            slow_step_s: float = 0.05) -> Optional[int]:
     """Time decode rounds at `depth` (the round the server runs; 0: plain steps) under
     each way of computing decode-sized matmuls: OpenBLAS on one thread or on every
-    core, each with and without mtp-serve's skinny sgemm (`skinny_gemm.py`), and keep
-    the fastest. Which wins depends on the model and the round: on the demo model
+    core, each with and without mtp-serve's skinny sgemm (`skinny_gemm.py`; only for a
+    model with weights large enough for it to take), and keep the fastest. Which wins depends on the model and the round: on the demo model
     (matrices in cache) OpenBLAS on every core decoded at depth 4 1.35x faster than on
     one thread, a choice plain steps alone had made (bench/bench_decode_matmuls.py). A
     model whose round takes longer than `slow_step_s` is bandwidth-bound and keeps
@@ -56,12 +59,12 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     batch = Batch()
     batch.add(_prefilled(model, tokenizer, [1, 2, 3, 4, 5, 6, 7, 8], depth))
     step = lambda: run_round(model, batch, [depth])  # noqa: E731
-    choices = [(n, skinny) for skinny in ((True, False) if skinny_gemm.active() else (False,))
-               for n in ((1, None) if blas_threads_adjustable() else (None,))]
+    skinny_options = (True, False) if skinny_gemm.active() and _has_skinny_sized_weights(model) else (False,)
+    choices = [(n, skinny) for skinny in skinny_options for n in ((1, None) if blas_threads_adjustable() else (None,))]
     t0 = time.perf_counter()
     step()
     if time.perf_counter() - t0 > slow_step_s:
-        choice = (None, skinny_gemm.active())
+        choice = (None, skinny_options[0])
     elif len(choices) == 1:
         choice = choices[0]
     else:
@@ -83,6 +86,14 @@ def decode_matmuls_note(threads: Optional[int]) -> str:
     """The calibrated choice, for start-up logs and benchmark headers."""
     how = "OpenBLAS, mtp-serve's skinny sgemm for weights of 4 MB or more" if skinny_gemm.enabled() else "OpenBLAS"
     return f"decode matmuls: {how} on {threads or 'all'} thread(s)"
+
+
+def _has_skinny_sized_weights(model: MTPModel) -> bool:
+    """Whether any fp32 weight matrix is large enough for the skinny sgemm to take its
+    products; without one, both settings compute alike and need not be timed."""
+    modules = [model.model] + ([model.head] if model.has_mtp else [])
+    return any(w.ndim == 2 and w.dtype == mx.float32 and w.size >= skinny_gemm.DEFAULT_MIN_ELEMENTS
+               for m in modules for _, w in tree_flatten(m.parameters()))
 
 
 def _use(choice: tuple) -> None:
