@@ -49,12 +49,15 @@ def test_claude_code_two_turns(server, tmp_path):
     env = clean_env(tmp_path, "ANTHROPIC_", "CLAUDE", "XDG_")
     env.update(ANTHROPIC_BASE_URL=server.root, ANTHROPIC_API_KEY="none", ANTHROPIC_MODEL="tiny",
                ANTHROPIC_SMALL_FAST_MODEL="tiny", ANTHROPIC_DEFAULT_HAIKU_MODEL="tiny",
-               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="256")
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="256",
+               CLAUDE_CODE_MAX_CONTEXT_TOKENS=str(server.service.max_context))
     try:
         before = metrics(server)
         r1 = subprocess.run([claude, "-p", "Say hello"], cwd=project, env=env, capture_output=True, text=True, timeout=240)
         after1 = metrics(server)
         assert r1.returncode == 0, r1.stdout[-2000:] + r1.stderr[-2000:]
+        # Told the served context (README), it does not assume a 1M-token window for "tiny".
+        assert "assumes a context window" not in r1.stderr, r1.stderr[-2000:]
         assert metric(after1, MESSAGES_OK) >= 1
         prompt1 = metric(after1, "mtp_prompt_tokens_total") - metric(before, "mtp_prompt_tokens_total")
         assert prompt1 > 5000, after1  # Claude Code's system prompt and tools
