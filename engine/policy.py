@@ -55,7 +55,8 @@ class DepthPolicy:
     prior: List[float] = field(default_factory=list)  # model-wide acceptance per position: new rows start here
 
     def cap(self, seq: Sequence) -> int:
-        return max(0, min(seq.max_depth, self.max_depth))
+        """A round emits at most depth + 1 tokens: near max_tokens, deeper drafts would be thrown away."""
+        return max(0, min(seq.max_depth, self.max_depth, seq.tokens_left - 1))
 
     def depths(self, rows: List[Sequence]) -> List[int]:
         """Drafts per row for the next round."""

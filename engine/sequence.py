@@ -134,6 +134,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.CANCELLED)
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the request may still emit (max_tokens less those emitted)."""
+        return self.params.max_tokens - len(self.committed)
+
     def cache_tokens(self) -> List[int]:
         """The tokens the backbone caches hold while running (all but the primary)."""
         return self.prompt + self.committed[:-1]

@@ -19,6 +19,7 @@ COST = {0: 0.010, 1: 0.012, 2: 0.015}  # seconds per round of 4 rows, by the lon
 class Row:
     """What the policy reads of a running sequence."""
     max_depth: int = 2
+    tokens_left: int = 1 << 20
     acceptance: RowAcceptance = field(default_factory=lambda: RowAcceptance([]))
 
 
@@ -75,6 +76,31 @@ def test_a_failing_row_drops_to_zero_alone_and_recovers():
 def test_cap_is_the_servers_depth_and_requests_lower_it():
     policy = DepthPolicy(max_depth=5, fixed=True)
     assert policy.depths([Row(max_depth=8), Row(max_depth=3), Row(max_depth=0)]) == [5, 3, 0]
+
+
+def test_no_row_drafts_past_its_max_tokens(demo_model, monkeypatch):
+    """Near max_tokens a row drafts at most the tokens it may still emit, less one (a round
+    emits its drafts and one more), so the last rounds compute no drafts to throw away."""
+    lm = demo_model
+    seen = []
+    real_draft = speculative.draft
+
+    def draft(model, batch, depths):
+        seen.extend((s.key, s.tokens_left, d) for s, d in zip(batch.rows, depths))
+        return real_draft(model, batch, depths)
+
+    monkeypatch.setattr(speculative, "draft", draft)
+    sched = Scheduler(lm.model, lm.tokenizer, policy=DepthPolicy(max_depth=4, fixed=True))
+    limits = {"a": 3, "b": 7, "c": 40}
+    for key, n in limits.items():
+        sched.add(key, lm.tokenizer.encode("def main(argv):\n    "), SamplingParams(max_tokens=n, ignore_eos=True), 4)
+    out = {key: [] for key in limits}
+    while sched.has_work():
+        for key, chunk in sched.step():
+            out[key] += chunk.token_ids
+    assert {key: len(t) for key, t in out.items()} == limits
+    assert all(d == min(4, left - 1) for _, left, d in seen), seen
+    assert ("a", 2, 1) in seen, seen  # after its first token, "a" may emit 2 more: one draft
 
 
 def test_scheduler_sends_a_row_with_wrong_drafts_to_depth_zero(demo_model, monkeypatch):
