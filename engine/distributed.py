@@ -199,7 +199,7 @@ class LeaderSync:
         self.link, self.mode, self.sched = link, mode, sched
 
     def _may_draft(self, rows) -> bool:
-        return any(self.sched.policy.cap(s) for s in rows)
+        return any(self.sched.policy.request_cap(s) for s in rows)  # as the other ranks know it
 
     def first_token(self, seq, emitted):
         self.link.post(first=[seq.key, emitted[0][0]])
@@ -319,7 +319,7 @@ class Leader:
         seq, seed = self.sched.seqs[key], random_seed()
         seq.rng = Rng(seed)
         self._adds.append({"key": key, "prompt": list(prompt), "params": params_to_json(params), "depth": max_depth,
-                           "checkpoints": list(checkpoints), "seed": seed, "cap": self.sched.policy.cap(seq)})
+                           "checkpoints": list(checkpoints), "seed": seed, "cap": self.sched.policy.request_cap(seq)})
 
     def cancel(self, key: Hashable) -> None:
         self.sched.cancel(key)

@@ -54,9 +54,14 @@ class DepthPolicy:
     rounds: Dict[int, int] = field(default_factory=dict)  # rounds per bucket
     prior: List[float] = field(default_factory=list)  # model-wide acceptance per position: new rows start here
 
+    def request_cap(self, seq: Sequence) -> int:
+        """The most a request ever drafts per round: its own limit within the server's."""
+        return max(0, min(seq.max_depth, self.max_depth))
+
     def cap(self, seq: Sequence) -> int:
-        """A round emits at most depth + 1 tokens: near max_tokens, deeper drafts would be thrown away."""
-        return max(0, min(seq.max_depth, self.max_depth, seq.tokens_left - 1))
+        """This round's cap. A round emits at most depth + 1 tokens: near max_tokens, deeper
+        drafts would be thrown away."""
+        return max(0, min(self.request_cap(seq), seq.tokens_left - 1))
 
     def depths(self, rows: List[Sequence]) -> List[int]:
         """Drafts per row for the next round."""
