@@ -56,15 +56,20 @@ TGT static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* R rows of w against M rows of x (both compile-time constants after inlining). */
-TGT static inline __attribute__((always_inline)) void block(const int R, const int M, long n, int K, const float *x,
-                                                             int ldx, const float *w, int ldw, float *out, int ldo) {
+/* R rows of w against M rows of x (R, M and PF compile-time constants after inlining).
+   With PF, the next R rows of w are prefetched a cache line per row every 16 k: the
+   hardware prefetcher alone leaves the 4-row (verify window) products 10% slower. */
+TGT static inline __attribute__((always_inline)) void block(const int R, const int M, const int PF, long n, int K,
+                                                             const float *x, int ldx, const float *w, int ldw,
+                                                             float *out, int ldo) {
     __m256 acc[16];
     for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
     const int K8 = K & ~7;
     for (int k = 0; k < K8; k += 8) {
         __m256 xv[8];
         for (int m = 0; m < M; m++) xv[m] = _mm256_loadu_ps(x + (size_t)m * ldx + k);
+        if (PF && (k & 15) == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (size_t)(n + R + r) * ldw + k), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             __m256 wv = _mm256_loadu_ps(w + (size_t)(n + r) * ldw + k);
             for (int m = 0; m < M; m++) acc[r * M + m] = _mm256_fmadd_ps(xv[m], wv, acc[r * M + m]);
@@ -81,7 +86,7 @@ TGT static inline __attribute__((always_inline)) void block(const int R, const i
 }
 
 /* Rows [n0, n1) of W against rows [m0, m0 + M) of x. */
-#define BLOCK(R, m0, M, n) block(R, M, n, K, x + (size_t)(m0) * ldx, ldx, w, ldw, out + (size_t)(m0) * ldo, ldo)
+#define BLOCK(R, m0, M, PF, n) block(R, M, PF, n, K, x + (size_t)(m0) * ldx, ldx, w, ldw, out + (size_t)(m0) * ldo, ldo)
 
 /* Rows [n0, n1) of W. R is chosen per M to keep the accumulators in the 16 registers;
    past 5 rows of x, each group of R rows of W (in L1 by then) meets x in two parts. */
@@ -89,12 +94,12 @@ TGT static inline __attribute__((always_inline)) void block(const int R, const i
     {                                                                                  \
         long n = n0;                                                                   \
         for (; n + R <= n1; n += R) {                                                  \
-            BLOCK(R, 0, M1, n);                                                        \
-            if (M2) BLOCK(R, M1, M2, n);                                               \
+            BLOCK(R, 0, M1, 1, n);                                                     \
+            if (M2) BLOCK(R, M1, M2, 0, n);                                            \
         }                                                                              \
         for (; n < n1; n++) {                                                          \
-            BLOCK(1, 0, M1, n);                                                        \
-            if (M2) BLOCK(1, M1, M2, n);                                               \
+            BLOCK(1, 0, M1, 0, n);                                                     \
+            if (M2) BLOCK(1, M1, M2, 0, n);                                            \
         }                                                                              \
     }                                                                                  \
     break;
