@@ -160,7 +160,7 @@ def test_adaptive_policy_explores_and_stays_exact(loaded):
 def test_batched_sampling_matches_plain_distribution(loaded):
     """The distribution test with the sequence under test batched beside another."""
     lm = loaded("qwen3_5", agreeable=True)
-    n, n_pos, prompt = 600, 3, [11, 22, 33, 44, 55, 66]
+    n, n_pos, prompt = 600, 4, [11, 22, 33, 44, 55, 66]  # 4: at depth 2 the first round drafts 2
     kw = dict(temperature=1.0, top_k=3, top_p=0.95, max_tokens=n_pos, ignore_eos=True)
     plain = [single_stream(lm, prompt, SamplingParams(seed=i, **kw), 0)[0] for i in range(n)]
     batched = []
