@@ -11,7 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from . import skinny_gemm
 
@@ -82,6 +84,19 @@ def set_blas_threads(n: int | None) -> None:
         _OPENBLAS.openblas_set_num_threads(n)
         skinny_gemm.set_threads(n)
         _blas_threads = n
+
+
+@contextmanager
+def blas_threads(n: int | None) -> Iterator[None]:
+    """OpenBLAS on `n` threads inside the block (None: leave it as it is), then as before."""
+    before = _blas_threads
+    if n is not None:
+        set_blas_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None:
+            set_blas_threads(before)
 
 
 def blas_threads_adjustable() -> bool:

@@ -8,6 +8,9 @@ mlx-lm's decoder layers with a KVCache, and MLX's sigmoid / SiLU.
 
 import mtp_serve  # noqa: F401  (before mlx.core)
 
+import os
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -49,6 +52,26 @@ def test_matches_mlx_lm_attention(B, H, Hk, L, S, rows):
     out = causal_attention(q, k, v, scale, rows=rows)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < RTOL
+
+
+def test_same_bits_on_one_stream_or_several(monkeypatch):
+    """The blocks of a wave run on one CPU stream per core; how many cores there
+    are, or which thread asks, must not change a bit of the result (a prompt
+    restored from a cache snapshot continues exactly as one prefilled cold)."""
+    import mtp_serve.models.prefill_attention as pa
+
+    mx.random.seed(5)
+    q, k, v = mx.random.normal((1, 8, 200, 32)), mx.random.normal((1, 4, 700, 32)), mx.random.normal((1, 4, 700, 32))
+    several = causal_attention(q, k, v, 0.2, rows=32)
+    assert len(pa._streams(100)) == min(100, os.cpu_count() or 1)  # (on a machine with one core, both are one stream)
+    elsewhere = []  # MLX streams are per thread: the engine loop's thread gets its own
+    worker = threading.Thread(target=lambda: elsewhere.append(np.array(causal_attention(q, k, v, 0.2, rows=32))))
+    worker.start()
+    worker.join()
+    assert np.array_equal(np.array(several), elsewhere[0])
+    monkeypatch.setattr(pa, "_streams", lambda blocks: [mx.default_stream(mx.cpu)])
+    one = causal_attention(q, k, v, 0.2, rows=32)
+    assert mx.array_equal(several, one).item()
 
 
 def test_exp_functions_match_mlx():
