@@ -50,6 +50,18 @@ class Constraint:
 
 
 ANY_JSON_OBJECT = {"type": "object"}
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: what models write, and fewer tokens to mask
+
+
+def json_schema_error(source: str) -> Optional[str]:
+    """Why llguidance cannot compile this JSON schema (its message), or None; needs no
+    tokenizer, so schemas can be checked and rewritten before a request reaches the engine."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return "; ".join(messages) if is_error else None
 
 
 class GrammarCompiler:
@@ -65,7 +77,7 @@ class GrammarCompiler:
         """The constraint as an llguidance grammar; GrammarError when it does not compile."""
         try:
             if c.kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(c.source, defaults={"whitespace_flexible": False})
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(c.source, defaults=JSON_OPTIONS)
             elif c.kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(c.source)
             elif c.kind == "lark":

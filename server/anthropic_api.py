@@ -21,12 +21,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
+from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request, failure_status
 from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
 from mtp_serve.server.generation import complete, finish_reason, parse_output, stream_steps
 from mtp_serve.server.openai_format import speculative
-from mtp_serve.server.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from mtp_serve.server.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart, collect
 from mtp_serve.server.service import Sampling, Service
 from mtp_serve.server.streaming import sse_response
 
@@ -70,6 +71,7 @@ class CountTokensRequest(_Model):
     tools: Optional[List[AnthropicTool]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
+    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # mtp-serve extra: how tool schemas are served
 
 
 class MessagesRequest(CountTokensRequest):
@@ -210,7 +212,7 @@ def render(svc: Service, req: CountTokensRequest) -> ChatPrompt:
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
     return svc.chat.render(template_messages(req), openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
-                           parallel_tool_calls=parallel)
+                           parallel_tool_calls=parallel, schema_mode=req.json_schema_mode or svc.config.json_schema_mode)
 
 
 # ---------------------------------------------------------------- response
@@ -278,8 +280,9 @@ async def messages(req: MessagesRequest, request: Request):
                         "input": json.loads(call["function"]["arguments"])})
     finish = finish_reason(done.finish_reason, bool(parsed.tool_calls))
     svc.metrics.request(request.scope, 200)
-    return message_body(mid, model, content, stop_reason(svc, finish, done.token_ids, done.text, stops),
-                        usage(done.stats, len(prompt.ids)))
+    report = structured.output_report(prompt.constraint, parsed.content, parsed.tool_calls, done.finish_reason)
+    return structured.respond(message_body(mid, model, content, stop_reason(svc, finish, done.token_ids, done.text, stops),
+                                           usage(done.stats, len(prompt.ids))), report)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -316,7 +319,9 @@ async def message_stream(svc: Service, gen, handle, request, mid: str, model: st
     n_prompt = len(gen.prompt.ids)
     index, kind = -1, None  # the open content block
     ids, text, started = [], [], False
+    events = []  # for the structured_output report
     async for step in stream_steps(svc, gen, handle, request):
+        events += step.events
         c = step.chunk
         if c is not None and not started:
             started = True
@@ -347,5 +352,13 @@ async def message_stream(svc: Service, gen, handle, request, mid: str, model: st
             if kind is not None:
                 yield event("content_block_stop", {"index": index})
             reason, seq = stop_reason(svc, step.finish_reason, ids, "".join(text), stops)
-            yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(c.stats, n_prompt)})
+            yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(c.stats, n_prompt), **stream_report(gen, events, step.finish_reason)})
             yield event("message_stop", {})
+
+
+def stream_report(gen, events: list, finish: str) -> dict:
+    """{"structured_output": ...} for the stream's message_delta, beside usage; {} without a JSON schema."""
+    parsed = collect(events)
+    report = structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls,
+                                      "length" if finish == "length" else "stop")
+    return {} if report is None else {"structured_output": report}

@@ -184,10 +184,12 @@ class ChatFormat:
 
     def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
                tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages",
-               output: Optional[Constraint] = None, parallel_tool_calls: bool = True) -> ChatPrompt:
+               output: Optional[Constraint] = None, parallel_tool_calls: bool = True,
+               schema_mode: str = "relaxed") -> ChatPrompt:
         """`messages` as chat templates expect them; `tools` as OpenAI function tools;
         `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
-        `tool_name` for one named function; `output`: a constraint on the output."""
+        `tool_name` for one named function; `output`: a constraint on the output;
+        `schema_mode`: how a forced call's tool schemas are served (schema_relax.py)."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
         tools = tools or None
@@ -218,7 +220,7 @@ class ChatFormat:
         if choice in ("required", "function"):
             if tool_name is not None and tool_name not in {t["function"]["name"] for t in tools}:
                 raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
-            forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens)
+            forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens, schema_mode)
         ids = self.encoder.encode(text, markers)
         for marker, token in markers.items():
             text = text.replace(marker, token)
@@ -229,8 +231,10 @@ class ChatFormat:
 
     def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
         """What the engine enforces from the first output token: reasoning stays free."""
-        if prompt.constraint is None or not prompt.opens_reasoning:
-            return prompt.constraint
+        if prompt.constraint is None:
+            return None
+        if not prompt.opens_reasoning:
+            return Constraint(prompt.constraint.kind, prompt.constraint.source)  # what the engine reads, nothing more
         return constraints.after_reasoning(prompt.constraint, self.added_tokens)
 
     # -- output

@@ -14,21 +14,48 @@ Where a constraint comes from (at most one per request):
   so the usual tool-call parser reads it.
 When the prompt opens a think block, reasoning stays free: the constraint starts
 after the model closes it.
+
+JSON schemas (response formats, guided JSON, tool parameters) are served through
+`schema_relax.serve_schema` in the request's `json_schema_mode` ("strict" | "relaxed"): the
+result is a `SchemaConstraint`, which also carries what the schemas were served as, for the
+response's `structured_output` report (`structured.py`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
 from llguidance import regex_to_lark
 
 from mtp_serve.engine.grammar import ANY_JSON_OBJECT, Constraint
 from mtp_serve.server.errors import bad_request
+from mtp_serve.server.schema_relax import ANNOTATIONS, ServedSchema, serve_schema
 
 THINK_CLOSE = "</think>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 EXTRA_KINDS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+class SchemaConstraint(Constraint):
+    """A constraint built from JSON schemas, carrying what each was served as (`served`:
+    {"": schema} for an output format, {tool name: schema} for forced tool calls) and the
+    mode. The engine reads only `kind` and `source` (`plain()` drops the rest)."""
+
+    def __init__(self, kind: str, source: str, served: Dict[str, ServedSchema], mode: str, tool_calls: bool = False):
+        super().__init__(kind, source)
+        object.__setattr__(self, "served", served)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "tool_calls", tool_calls)
+
+    def plain(self) -> Constraint:
+        return Constraint(self.kind, self.source)
+
+
+def json_schema(schema: dict, param: str, mode: str) -> SchemaConstraint:
+    served = serve_schema(schema, mode, param)
+    return SchemaConstraint("json_schema", json.dumps(served.schema), {"": served}, mode)
 
 
 def _schema(value: Any, param: str) -> dict:
@@ -42,7 +69,7 @@ def _schema(value: Any, param: str) -> dict:
     return value
 
 
-def from_response_format(fmt: Optional[dict], param: str = "response_format") -> Optional[Constraint]:
+def from_response_format(fmt: Optional[dict], param: str = "response_format", mode: str = "relaxed") -> Optional[Constraint]:
     """OpenAI `response_format` (or Responses `text.format`) as a constraint; None for text."""
     if not fmt:
         return None
@@ -50,16 +77,16 @@ def from_response_format(fmt: Optional[dict], param: str = "response_format") ->
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return Constraint.json_schema(ANY_JSON_OBJECT)
+        return json_schema(ANY_JSON_OBJECT, param, mode)
     if kind == "json_schema":
         spec = fmt.get("json_schema", fmt)  # chat nests it; Responses flattens it
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request(f"{param}: json_schema needs a 'schema'", param)
-        return Constraint.json_schema(_schema(spec["schema"], f"{param}.schema"))
+        return json_schema(_schema(spec["schema"], f"{param}.schema"), f"{param}.schema", mode)
     raise bad_request(f"{param}: type {kind!r} is not supported (text, json_object, json_schema)", param)
 
 
-def from_extras(body: Dict[str, Any]) -> Optional[Constraint]:
+def from_extras(body: Dict[str, Any], mode: str = "relaxed") -> Optional[Constraint]:
     """vLLM-style `structured_outputs` / `guided_*` fields of the request body."""
     found = {}
     so = body.get("structured_outputs")
@@ -74,7 +101,7 @@ def from_extras(body: Dict[str, Any]) -> Optional[Constraint]:
         raise bad_request(f"one output constraint per request; got {', '.join(p for _, p in found.values())}")
     (kind, (value, param)), = found.items()
     if kind == "json":
-        return Constraint.json_schema(_schema(value, param))
+        return json_schema(_schema(value, param), param, mode)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise bad_request(f"{param} must be a non-empty list of strings", param)
@@ -84,10 +111,10 @@ def from_extras(body: Dict[str, Any]) -> Optional[Constraint]:
     return Constraint("regex" if kind == "regex" else "lark", value)
 
 
-def requested(req) -> Optional[Constraint]:
+def requested(req, mode: str = "relaxed") -> Optional[Constraint]:
     """An OpenAI-style request's output constraint: `response_format` or the vLLM-style fields."""
     fmt = req.response_format.model_dump() if req.response_format is not None else None
-    return one_of(from_response_format(fmt), from_extras(req.model_dump()))
+    return one_of(from_response_format(fmt, mode=mode), from_extras(req.model_dump(), mode))
 
 
 def one_of(*constraints: Optional[Constraint]) -> Optional[Constraint]:
@@ -129,22 +156,45 @@ def after_reasoning(c: Constraint, added_tokens: set) -> Constraint:
 PARAM_END = json.dumps("\n</parameter>\n")
 
 
-def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bool, added_tokens: set) -> Constraint:
+def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bool, added_tokens: set,
+               mode: str = "relaxed") -> SchemaConstraint:
     """A forced tool call in the model's format: one (or, with `parallel`, several) of
-    `tools` (only `name` when given), arguments following each tool's schema."""
+    `tools` (only `name` when given), arguments following each tool's schema (as served in `mode`)."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     open_, close = _literal(TOOL_CALL_OPEN, added_tokens), _literal(TOOL_CALL_CLOSE, added_tokens)
     more = ' ("\\n" call)*' if parallel else ""
     rules = ["start: call" + more, "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    served: Dict[str, ServedSchema] = {}
     for i, fn in enumerate(fns):
-        schema = fn.get("parameters") or {"type": "object"}
+        param = f"tools[{i}].parameters" if name is None else f"tool {fn['name']!r} parameters"
+        s = serve_schema(fn.get("parameters") or {"type": "object"}, mode, param)
+        if parser != "hermes":
+            s = _xml_served(s, mode, param)
+        served[fn["name"]] = s
+        schema = s.schema
         if parser == "hermes":
             call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                     "properties": {"name": {"const": fn["name"]}, "arguments": schema}}
             rules.append(f'call_{i}: {open_} "\\n" %json {json.dumps(call)} "\\n" {close}')
         else:
             rules += _xml_call(i, fn["name"], schema, open_, close)
-    return Constraint("lark", "\n".join(rules))
+    return SchemaConstraint("lark", "\n".join(rules), served, mode, tool_calls=True)
+
+
+XML_ENFORCED = {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}
+
+
+def _xml_served(s: ServedSchema, mode: str, param: str) -> ServedSchema:
+    """The XML call format writes each listed property on its own: keywords at the top of
+    the parameters' schema other than these are not enforced (listed as relaxed)."""
+    top = [f"/{k}" for k in s.schema if k not in XML_ENFORCED and k not in ANNOTATIONS and not k.startswith("x-")]
+    if not top:
+        return s
+    if mode == "strict":
+        raise bad_request(f"{param}: json_schema_mode strict: the tool-call format cannot enforce '{top[0][1:]}' at {top[0]} "
+                          "(parameters are written one by one); json_schema_mode relaxed serves it and validates the "
+                          "arguments against the full schema", param, "invalid_constraint")
+    return replace(s, relaxed=s.relaxed + tuple(top))
 
 
 def _xml_call(i: int, name: str, schema: dict, open_: str, close: str) -> List[str]:

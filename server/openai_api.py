@@ -15,9 +15,11 @@ from fastapi import APIRouter, Request
 
 from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
+from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
 from mtp_serve.server.errors import bad_request, failure_body
 from mtp_serve.server.generation import Generation, complete, engine_chunks, finish_reason, parse_output, stream_steps
+from mtp_serve.server.parsers import collect
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from mtp_serve.server.service import Sampling, Service
 from mtp_serve.server.streaming import sse_response
@@ -48,7 +50,13 @@ def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
                            None if named else req.tool_choice, named, req.chat_template_kwargs,
-                           output=constraints.requested(req), parallel_tool_calls=req.parallel_tool_calls)
+                           output=constraints.requested(req, schema_mode(svc, req)), parallel_tool_calls=req.parallel_tool_calls,
+                           schema_mode=schema_mode(svc, req))
+
+
+def schema_mode(svc: Service, req) -> str:
+    """The request's json_schema_mode, else the server's (--json-schema-mode)."""
+    return req.json_schema_mode or svc.config.json_schema_mode
 
 
 @router.post("/v1/chat/completions")
@@ -68,8 +76,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     parsed = parse_output(svc, gen, done.text)
     svc.metrics.request(request.scope, 200)
     logprobs = fmt.chat_logprobs(done.logprobs, svc.token_text) if top is not None else None
-    return fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
-                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), fmt.usage(done.stats, len(gen.prompt.ids)))
+    report = structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls, done.finish_reason)
+    return structured.respond(fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
+                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), fmt.usage(done.stats, len(gen.prompt.ids))), report)
 
 
 async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool):
@@ -79,7 +88,9 @@ async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, 
         return fmt.chat_chunk(rid, created, model, delta, include_usage=with_usage, **kw)
 
     yield chunk({"role": "assistant", "content": ""})
+    events = []  # for the structured_output report
     async for step in stream_steps(svc, gen, handle, request):
+        events += step.events
         deltas = [fmt.event_delta(ev) for ev in step.events]
         c = step.chunk
         lp = fmt.chat_logprobs(c.logprobs, svc.token_text) if c is not None and c.logprobs else None
@@ -88,9 +99,16 @@ async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, 
         for i, d in enumerate(deltas):
             yield chunk(d, logprobs=lp if i == 0 else None)
         if step.finish_reason:
-            yield chunk({}, finish=step.finish_reason)
+            report = stream_report(gen, collect(events), step.finish_reason)
+            yield chunk({}, finish=step.finish_reason, **({} if with_usage or report is None else {"structured_output": report}))
             if with_usage:
-                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)))
+                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)),
+                            **({} if report is None else {"structured_output": report}))
+
+
+def stream_report(gen: Generation, parsed, finish: str):
+    """A stream's structured_output report: on its last chunk (the usage chunk when there is one)."""
+    return structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls, "length" if finish == "length" else "stop")
 
 
 # ---------------------------------------------------------------- completions
@@ -104,7 +122,7 @@ async def completions(req: CompletionRequest, request: Request):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     ids = await svc.run_cpu(completion_prompt_ids, svc.chat.encoder, req.prompt, svc.loaded.model.vocab_size)
-    constraint = constraints.requested(req)
+    constraint = constraints.requested(req, schema_mode(svc, req))
     if constraint is not None:
         await svc.run_cpu(svc.check_constraint, constraint)
     sampling = Sampling.of(req, stop=req.stop_list)
@@ -118,7 +136,9 @@ async def completions(req: CompletionRequest, request: Request):
     done = await complete(svc, gen, handle, request)
     svc.metrics.request(request.scope, 200)
     logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
-    return fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs, fmt.usage(done.stats, len(ids)))
+    report = structured.output_report(constraint, done.text, [], done.finish_reason)
+    return structured.respond(fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs,
+                                                  fmt.usage(done.stats, len(ids))), report)
 
 
 async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str):
@@ -130,15 +150,19 @@ async def completion_stream(svc: Service, gen: Generation, handle, request, rid:
     offset = len(echo)
     if echo:
         yield chunk(echo)
+    text = []  # for the structured_output report
     async for c in engine_chunks(svc, gen, handle, request, watch_disconnect=False):
         lp = fmt.completion_logprobs(c.logprobs, offset, svc.token_text) if c.logprobs else None
         offset += len(c.text)
+        text.append(c.text)
         if c.text or lp is not None:
             yield chunk(c.text, logprobs=lp)
         if c.finish_reason:
-            yield chunk("", finish=c.finish_reason)
+            report = structured.output_report(gen.prompt.constraint, "".join(text), [], c.finish_reason)
+            extra = {} if report is None else {"structured_output": report}
+            yield chunk("", finish=c.finish_reason, **({} if with_usage else extra))
             if with_usage:
-                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)))
+                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)), **extra)
 
 
 def completion_prompt_ids(encoder: PromptEncoder, prompt, vocab: int) -> List[int]:

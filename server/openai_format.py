@@ -52,13 +52,14 @@ def chat_body(rid: str, created: int, model: str, message: dict, logprobs: Optio
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: Optional[dict], *, finish=None, logprobs=None,
-               include_usage: bool = False, usage_: Optional[dict] = None) -> dict:
-    """One `chat.completion.chunk`; delta None: the usage-only last chunk."""
+               include_usage: bool = False, usage_: Optional[dict] = None, **extra) -> dict:
+    """One `chat.completion.chunk`; delta None: the usage-only last chunk; `extra`: top-level
+    fields of the last chunk (structured_output)."""
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if include_usage:
         body["usage"] = usage_
-    return sse(body)
+    return sse({**body, **extra})
 
 
 def event_delta(ev: Event) -> dict:
@@ -90,12 +91,12 @@ def completion_body(rid: str, created: int, model: str, text: str, finish: str, 
 
 
 def completion_chunk(rid: str, created: int, model: str, text: Optional[str], *, finish=None, logprobs=None,
-                     include_usage: bool = False, usage_: Optional[dict] = None) -> dict:
+                     include_usage: bool = False, usage_: Optional[dict] = None, **extra) -> dict:
     body = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if include_usage:
         body["usage"] = usage_
-    return sse(body)
+    return sse({**body, **extra})
 
 
 def completion_logprobs(lps, offset: int, token_text: Callable[[int], str]) -> dict:

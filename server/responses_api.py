@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
 from mtp_serve.server.generation import Generation, complete, parse_output, stream_steps
-from mtp_serve.server import constraints
+from mtp_serve.server import constraints, structured
 from mtp_serve.server.openai_format import speculative
 from mtp_serve.server.parsers import ContentDelta, ParsedOutput, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from mtp_serve.server.service import Sampling, Service
@@ -61,6 +61,7 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: Optional[RepetitionPenalty] = None
     seed: Optional[Seed] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
+    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
 
 
 class ResponseStore:
@@ -200,13 +201,14 @@ def thinking_kwargs(reasoning: Optional[dict]) -> Optional[dict]:
 
 def render(svc: Service, req: ResponsesRequest, history: List[dict]) -> tuple:
     """(prompt, the conversation so far without instructions, {function: namespace})."""
-    output = constraints.from_response_format((req.text or {}).get("format"), "text.format")
+    schema_mode = req.json_schema_mode or svc.config.json_schema_mode
+    output = constraints.from_response_format((req.text or {}).get("format"), "text.format", schema_mode)
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     mode, name = tool_choice(req.tool_choice)
     tools, namespaces = function_tools(req.tools)
     prompt = svc.chat.render(system + conversation, tools, mode, name, thinking_kwargs(req.reasoning), messages_param="input",
-                             output=output, parallel_tool_calls=req.parallel_tool_calls)
+                             output=output, parallel_tool_calls=req.parallel_tool_calls, schema_mode=schema_mode)
     return prompt, conversation, namespaces
 
 
@@ -270,6 +272,14 @@ def response_body(rid: str, created: int, svc: Service, req: ResponsesRequest, g
     }
 
 
+def structured_report(constraint, output: List[dict], reason: str) -> Optional[dict]:
+    """The structured_output report (beside usage) from the output items."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"function": {"name": item["name"], "arguments": item["arguments"]}} for item in output if item["type"] == "function_call"]
+    return structured.output_report(constraint, text if any(i["type"] == "message" for i in output) else None, calls,
+                                    "length" if reason == "length" else "stop")
+
+
 def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
     """The conversation a later request continues: this response's output appended."""
     return conversation + input_messages([{k: v for k, v in item.items() if k != "id"} if item["type"] != "message"
@@ -295,8 +305,10 @@ async def responses(req: ResponsesRequest, request: Request):
         status = "incomplete" if reason == "length" else "completed"
         if req.store:
             store.put(rid, history_after(conversation, output))
-        return response_body(rid, created, svc, req, gen, status=status, output=output,
+        body = response_body(rid, created, svc, req, gen, status=status, output=output,
                              usage_=usage(svc, stats, len(prompt.ids), reasoning))
+        report = structured_report(prompt.constraint, output, reason)
+        return body if report is None else {**body, "structured_output": report}
 
     if req.stream:
         ev = Events()
@@ -310,7 +322,8 @@ async def responses(req: ResponsesRequest, request: Request):
     done = await complete(svc, gen, handle, request)
     parsed = parse_output(svc, gen, done.text)
     svc.metrics.request(request.scope, 200)
-    return finish(output_items(parsed, namespaces), done.stats, done.finish_reason, parsed.reasoning or "")
+    body = finish(output_items(parsed, namespaces), done.stats, done.finish_reason, parsed.reasoning or "")
+    return structured.respond(body, body.get("structured_output"))
 
 
 # ---------------------------------------------------------------- streaming

@@ -111,6 +111,7 @@ class _SamplingFields(_Request):
     guided_regex: Optional[str] = None
     guided_choice: Optional[List[str]] = None
     guided_grammar: Optional[str] = None
+    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
 
     @field_validator("stop")
     @classmethod

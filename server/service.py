@@ -51,6 +51,7 @@ class ServerConfig:
     special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
     metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
+    json_schema_mode: str = "relaxed"  # --json-schema-mode: "strict" refuses what the grammar cannot enforce (schema_relax.py)
 
 
 def model_max_context(config: dict) -> int:

@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
     p.add_argument("--default-max-tokens", type=int, help="completion length of a request without max_tokens "
                    "(default: the rest of the context)")
+    p.add_argument("--json-schema-mode", default="relaxed", choices=("strict", "relaxed"),
+                   help="JSON schemas the grammar cannot fully enforce (uniqueItems, if/then, overlapping oneOf...): "
+                        "serve them relaxed and validate the output against the full schema, reported in the "
+                        "response's structured_output (relaxed), or refuse them with a 400 (strict); per request: "
+                        "json_schema_mode")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special tokens (<|im_end|>, ...) in message text as control tokens, not as text")
     limits = Limits()
@@ -160,6 +165,7 @@ def main(argv=None) -> int:
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
         default_max_tokens=args.default_max_tokens,
         special_tokens_in_content=args.allow_special_tokens_in_content,
+        json_schema_mode=args.json_schema_mode,
         metrics_without_key=args.metrics_without_key,
     )
     try:
