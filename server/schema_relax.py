@@ -8,12 +8,14 @@ form exists, relaxed (and the output validated afterwards) where it does not.
     served.validate(instance)  # error messages against the full original schema (jsonschema)
 
 Rules, in order:
-- exact rewrites, in both modes: an unknown `format` is dropped (JSON Schema makes formats
-  annotations); `uniqueItems: false` (the default) and `uniqueItems` on arrays of at most one
-  item are dropped; `dependentRequired` / array-valued `dependencies` on an object with at most
-  `MAX_DEPENDENCIES` of them become `anyOf` branches (the key absent, or it and its dependents
-  present); a `oneOf` whose branches cannot overlap (distinct types, distinct constants, or a
-  required property whose values cannot overlap) becomes `anyOf`;
+- a schema llguidance compiles as it is is served as it is (the same grammar, the same masks);
+- exact rewrites, in both modes: an unknown string `format` is dropped (JSON Schema makes
+  formats annotations); `uniqueItems: false` (the default) and `uniqueItems` on arrays of at
+  most one item are dropped; `dependentRequired` / array-valued `dependencies` on an object
+  with at most `MAX_DEPENDENCIES` of them become `anyOf` branches (the key absent, or it and
+  its dependents present); a `oneOf` llguidance cannot show disjoint but this module can
+  (distinct types, distinct constants, or a required property whose values cannot overlap)
+  becomes `anyOf`;
 - keywords the grammar cannot enforce (`uniqueItems`, `dependentSchemas`, `if`/`then`/`else`,
   `not`, `contains`, `propertyNames`, `unevaluated*`, other `dependencies`) are dropped and
   listed in `relaxed`;
@@ -220,16 +222,14 @@ class _Rewrite:
 
     def exact_pass(self) -> None:
         for node, path in walk(self.root):
-            fmt = node.get("format")
-            if "format" in node and fmt not in KNOWN_FORMATS:
+            fmt, kind = node.get("format"), node.get("type", "string")
+            if "format" in node and fmt not in KNOWN_FORMATS and "string" in (kind if isinstance(kind, list) else [kind]):
                 node.pop("format")
                 self.ignored.append(pointer(path + ("format",)))
             if "uniqueItems" in node and (node["uniqueItems"] is not True or node.get("maxItems", 2) <= 1):
                 node.pop("uniqueItems")
             if self.enforce_dependencies:
                 self._dependencies_as_branches(node)
-            if isinstance(node.get("oneOf"), list) and _pairwise_disjoint(node["oneOf"], self.root):
-                self._one_of_as_any_of(node)
 
     def _dependencies_as_branches(self, node: dict) -> None:
         """`{"a": ["b"]}`: a absent, or a and b present; exact as grammar branches."""
@@ -296,7 +296,9 @@ class _Rewrite:
         return bool(hits)
 
     def _one_of_relaxed(self, node: dict, path: Tuple) -> None:
-        self.relaxed.append(pointer(path + ("oneOf",)))
+        """llguidance could not show the branches disjoint: anyOf, exact when this module can."""
+        if not _pairwise_disjoint(node["oneOf"], self.root):
+            self.relaxed.append(pointer(path + ("oneOf",)))
         self._one_of_as_any_of(node)
 
     def _drop_counts(self, node: dict, path: Tuple) -> None:
@@ -339,6 +341,8 @@ def _lenient(schema: dict) -> Optional[Tuple[dict, List[str]]]:
 
 def _rewrite(schema: dict, enforce_dependencies: bool) -> Tuple[_Rewrite, Optional[str]]:
     rw = _Rewrite(schema, enforce_dependencies)
+    if json_schema_error(json.dumps(schema)) is None:
+        return rw, None
     rw.exact_pass()
     error = json_schema_error(json.dumps(rw.root))
     if error is None:

@@ -263,3 +263,16 @@ def test_served_schemas_are_cached_and_originals_untouched():
     before = json.dumps(schema)
     a, b = serve_schema(schema), serve_schema(json.loads(before))
     assert a is b and json.dumps(schema) == before and "if" not in a.schema
+
+
+def test_schemas_llguidance_compiles_are_served_as_they_are():
+    """Same grammar, same masks as before: only schemas llguidance refuses are rewritten."""
+    from pathlib import Path
+
+    from mtp_serve.engine.grammar import json_schema_error
+
+    files = sorted((Path(__file__).resolve().parents[1] / "bench" / "data" / "jsonschemabench").glob("*/*.json"))
+    assert len(files) == 120
+    compiled = [s for s in (json.loads(f.read_text()) for f in files) if json_schema_error(json.dumps(s)) is None]
+    assert len(compiled) > 80
+    assert all(serve_schema(s, "strict").schema == s for s in compiled)
