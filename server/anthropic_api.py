@@ -87,6 +87,7 @@ class MessagesRequest(CountTokensRequest):
     repetition_penalty: Optional[RepetitionPenalty] = None
     seed: Optional[Seed] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
+    ignore_eos: bool = False
 
 
 # ---------------------------------------------------------------- request -> template messages
@@ -282,7 +283,7 @@ async def messages(req: MessagesRequest, request: Request):
     svc.metrics.request(request.scope, 200)
     report = structured.output_report(prompt.constraint, parsed.content, parsed.tool_calls, done.finish_reason)
     return structured.respond(message_body(mid, model, content, stop_reason(svc, finish, done.token_ids, done.text, stops),
-                                           usage(done.stats, len(prompt.ids))), report)
+                                           {**usage(done.stats, len(prompt.ids)), **gen.budget_note}), report)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -352,7 +353,7 @@ async def message_stream(svc: Service, gen, handle, request, mid: str, model: st
             if kind is not None:
                 yield event("content_block_stop", {"index": index})
             reason, seq = stop_reason(svc, step.finish_reason, ids, "".join(text), stops)
-            yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(c.stats, n_prompt), **stream_report(gen, events, step.finish_reason)})
+            yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": {**usage(c.stats, n_prompt), **gen.budget_note}, **stream_report(gen, events, step.finish_reason)})
             yield event("message_stop", {})
 
 

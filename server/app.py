@@ -44,7 +44,7 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
     install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.scope, status))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_bytes, on_reject=svc.metrics.request)
     if config.api_key:  # added last: runs first
-        open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_key else set())
+        open_paths = {"/health", "/"} | ({"/metrics"} if config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
     app.state.response_store = responses_api.ResponseStore()
     for api in (openai_api, anthropic_api, responses_api):
@@ -56,6 +56,13 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
             return JSONResponse(error_body("engine is not running", "service_unavailable"), status_code=503)
         return {"status": "ok", "model": config.served_model_name, "mtp": loaded.mtp_status,
                 "queue_depth": svc.engine.queue_depth, "active": svc.engine.active_count}
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        """What answers `GET /` (clients such as Claude Code probe it): the server and its model."""
+        return {"object": "server", "name": "mtp-serve", "model": config.served_model_name,
+                "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models",
+                              "/health", "/metrics"]}
 
     @app.get("/metrics", response_class=Response)
     async def metrics():

@@ -42,6 +42,14 @@ class Generation:
     parallel_tool_calls: bool = True
     started: float = field(default_factory=time.perf_counter)  # when the request arrived
     reasoning_budget: Optional[int] = None  # tokens of reasoning before the server closes the think block
+    max_tokens_lowered_from: Optional[int] = None  # the client's max_tokens, when it was lowered to fit the context
+
+    @property
+    def budget_note(self) -> dict:
+        """Usage's note on a lowered output budget (every API adds it to its usage); {} when none."""
+        if self.max_tokens_lowered_from is None:
+            return {}
+        return {"max_tokens_lowered": {"requested": self.max_tokens_lowered_from, "granted": self.params.max_tokens}}
 
     @property
     def first_params(self) -> SamplingParams:

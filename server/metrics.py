@@ -37,6 +37,8 @@ class Metrics:
         self.completion_tokens = Counter("mtp_completion_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("mtp_time_to_first_token_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mtp_inter_token_latency_seconds", "Time between streamed tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self.max_tokens_lowered = Counter("mtp_max_tokens_lowered", "Requests whose max_tokens was lowered to fit the context",
+                                          registry=r)
         self.queue_depth = Gauge("mtp_queue_depth", "Requests waiting for an engine slot", registry=r)
         self.active = Gauge("mtp_active_sequences", "Sequences the engine is decoding", registry=r)
         self.drafted = Counter("mtp_draft_tokens", "MTP draft tokens proposed, per draft position", ["position"], registry=r)

@@ -78,7 +78,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     logprobs = fmt.chat_logprobs(done.logprobs, svc.token_text) if top is not None else None
     report = structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls, done.finish_reason)
     return structured.respond(fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
-                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), fmt.usage(done.stats, len(gen.prompt.ids))), report)
+                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), {**fmt.usage(done.stats, len(gen.prompt.ids)), **gen.budget_note}), report)
 
 
 async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool):
@@ -102,7 +102,7 @@ async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, 
             report = stream_report(gen, collect(events), step.finish_reason)
             yield chunk({}, finish=step.finish_reason, **({} if with_usage or report is None else {"structured_output": report}))
             if with_usage:
-                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)),
+                yield chunk(None, usage_={**fmt.usage(c.stats, len(gen.prompt.ids)), **gen.budget_note},
                             **({} if report is None else {"structured_output": report}))
 
 
@@ -138,7 +138,7 @@ async def completions(req: CompletionRequest, request: Request):
     logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
     report = structured.output_report(constraint, done.text, [], done.finish_reason)
     return structured.respond(fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs,
-                                                  fmt.usage(done.stats, len(ids))), report)
+                                                  {**fmt.usage(done.stats, len(ids)), **gen.budget_note}), report)
 
 
 async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str):
@@ -162,7 +162,7 @@ async def completion_stream(svc: Service, gen: Generation, handle, request, rid:
             extra = {} if report is None else {"structured_output": report}
             yield chunk("", finish=c.finish_reason, **({} if with_usage else extra))
             if with_usage:
-                yield chunk(None, usage_=fmt.usage(c.stats, len(gen.prompt.ids)), **extra)
+                yield chunk(None, usage_={**fmt.usage(c.stats, len(gen.prompt.ids)), **gen.budget_note}, **extra)
 
 
 def completion_prompt_ids(encoder: PromptEncoder, prompt, vocab: int) -> List[int]:

@@ -62,6 +62,7 @@ class ResponsesRequest(BaseModel):
     seed: Optional[Seed] = None
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
     json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
+    ignore_eos: bool = False
 
 
 class ResponseStore:
@@ -306,7 +307,7 @@ async def responses(req: ResponsesRequest, request: Request):
         if req.store:
             store.put(rid, history_after(conversation, output))
         body = response_body(rid, created, svc, req, gen, status=status, output=output,
-                             usage_=usage(svc, stats, len(prompt.ids), reasoning))
+                             usage_={**usage(svc, stats, len(prompt.ids), reasoning), **gen.budget_note})
         report = structured_report(prompt.constraint, output, reason)
         return body if report is None else {**body, "structured_output": report}
 

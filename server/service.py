@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.generation import Generation
 from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
+
+log = logging.getLogger("mtp_serve.server")
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -48,6 +51,7 @@ class ServerConfig:
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     limits: Limits = field(default_factory=Limits)  # request size, counts, nesting (limits.py)
     default_max_tokens: Optional[int] = None  # a request without max_tokens: None = the rest of the context
+    max_tokens_over_context: str = "clamp"  # a max_tokens past the context: "clamp" lowers it to fit, "refuse" is a 400
     special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
     metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
@@ -159,14 +163,21 @@ class Service:
                               f"{n_bytes} bytes of text are at least {at_least} tokens", None, "context_length_exceeded")
 
     def max_tokens(self, requested: Optional[int], n_prompt: int, room: int, param: str) -> int:
-        """vLLM's rule: a completion that cannot fit beside the prompt is refused, never cut;
-        without max_tokens, the rest of the context (or --default-max-tokens, when smaller)."""
+        """The completion's budget. Without max_tokens: the rest of the context (or
+        --default-max-tokens, when smaller). A max_tokens past the context is lowered to fit
+        (as LM Studio, Ollama and llama.cpp's server do: agents send 32,000 for any model they
+        do not know), or refused with --max-tokens-over-context refuse (vLLM's rule)."""
         if requested is None:
             return min(room, self.config.default_max_tokens or room)
         if requested > room:
-            raise bad_request(f"This model's maximum context length is {self.max_context} tokens; you requested "
-                              f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion). "
-                              f"Reduce the prompt or the completion length.", param, "context_length_exceeded")
+            if self.config.max_tokens_over_context == "refuse":
+                raise bad_request(f"This model's maximum context length is {self.max_context} tokens; you requested "
+                                  f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} for the completion). "
+                                  f"Reduce the prompt or the completion length.", param, "context_length_exceeded")
+            log.info("%s %d lowered to %d: the prompt's %d tokens leave that much of the %d-token context",
+                     param, requested, room, n_prompt, self.max_context)
+            self.metrics.max_tokens_lowered.inc()
+            return room
         return requested
 
     # -- the internal request
@@ -176,6 +187,7 @@ class Service:
         """Check the prompt's length and build the engine request (sampling defaults from the checkpoint)."""
         room = self.check_context(len(prompt.ids), prompt_param)
         max_tokens = self.max_tokens(s.max_tokens, len(prompt.ids), room, max_tokens_param)
+        lowered_from = s.max_tokens if s.max_tokens is not None and s.max_tokens > max_tokens else None
         d = self.config.sampling_defaults
         pick = lambda k, fallback: getattr(s, k) if getattr(s, k) is not None else d.get(k, fallback)  # noqa: E731
         top_k = pick("top_k", 0)
@@ -199,7 +211,7 @@ class Service:
         except ValueError as e:
             raise bad_request(str(e)) from e
         depth = s.mtp_depth if s.mtp_depth is not None else self.config.mtp_depth
-        return Generation(prompt, params, depth, started=started, **options)
+        return Generation(prompt, params, depth, started=started, max_tokens_lowered_from=lowered_from, **options)
 
     def submit(self, gen: Generation) -> RequestHandle:
         return self.submit_ids(gen.prompt.ids, gen.first_params, gen.depth, gen.prompt.checkpoints)

@@ -37,6 +37,7 @@ def metric(text: str, pattern: str) -> float:
 
 
 def failed_requests(text: str, endpoint: str) -> float:
-    """Requests to `endpoint` answered with any status but 200."""
+    """Requests to `endpoint` answered with any status but 200 and 499 (the client went away
+    itself: opencode drops its title request once the main reply is done)."""
     return sum(float(v) for status, v in re.findall(r'mtp_requests_total\{endpoint="%s",status="(\d+)"\} ([0-9.e+]+)' % re.escape(endpoint), text)
-               if status != "200")
+               if status not in ("200", "499"))

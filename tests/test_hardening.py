@@ -80,7 +80,6 @@ BAD = {  # name -> (change to the good body, the param named; None: not checked)
     "seed below -2^63": (lambda b, mt: {**b, "seed": -(1 << 63) - 1}, "seed"),
     "repetition penalty 5e-324": (lambda b, mt: {**b, "repetition_penalty": 5e-324}, "repetition_penalty"),
     "900-deep JSON": (lambda b, mt: {**b, "metadata": deep(900)}, "metadata"),
-    "oversized max_tokens": (lambda b, mt: {**b, mt: 100000}, None),
 }
 
 
@@ -89,10 +88,8 @@ BAD = {  # name -> (change to the good body, the param named; None: not checked)
 def test_bad_values_are_400_in_the_apis_shape(server, endpoint, stream):
     path, good, max_tokens = ENDPOINTS[endpoint]
     for name, (change, param) in BAD.items():
-        err = assert_error(post(server, path, change({**good, "stream": stream}, max_tokens)), path,
-                           param=None if path == "/v1/messages" else param)
-        if name == "oversized max_tokens" and path != "/v1/messages":
-            assert err["code"] == "context_length_exceeded" and err["param"] == max_tokens, err
+        assert_error(post(server, path, change({**good, "stream": stream}, max_tokens)), path,
+                     param=None if path == "/v1/messages" else param)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -151,16 +148,13 @@ def test_prompt_too_long_for_the_context_is_refused_before_tokenizing(server):
         svc.chat.render = original
 
 
-def test_max_tokens_rule(server):
-    """vLLM's rule: prompt + max_tokens over the context is refused; without max_tokens the
-    completion may use the rest of the context."""
-    r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 512})
-    err = assert_error(r, "/v1/chat/completions", param="max_tokens")
-    assert err["code"] == "context_length_exceeded" and "512 for the completion" in err["message"]
+def test_max_tokens_default_is_the_rest_of_the_context(server):
+    """Without max_tokens the completion may use the rest of the context (the budget rules for
+    a max_tokens past it: tests/test_output_budget.py)."""
     prompt = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    fits = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 512 - prompt, "ignore_eos": True})
-    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 512 - prompt
-    assert_error(post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 513 - prompt}), "/v1/chat/completions")
+    r = post(server, "/v1/chat/completions", {"messages": MSG, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 512 - prompt
+    assert "max_tokens_lowered" not in r.json()["usage"]
 
 
 def test_default_max_tokens_setting(ckpt):

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
     p.add_argument("--default-max-tokens", type=int, help="completion length of a request without max_tokens "
                    "(default: the rest of the context)")
+    p.add_argument("--max-tokens-over-context", default="clamp", choices=("clamp", "refuse"),
+                   help="a max_tokens larger than the context leaves after the prompt: lower it to fit (clamp, as LM "
+                        "Studio, Ollama and llama.cpp do; agents send 32000) or answer 400 context_length_exceeded "
+                        "(refuse, as vLLM does)")
     p.add_argument("--json-schema-mode", default="relaxed", choices=("strict", "relaxed"),
                    help="JSON schemas the grammar cannot fully enforce (uniqueItems, if/then, overlapping oneOf...): "
                         "serve them relaxed and validate the output against the full schema, reported in the "
@@ -164,6 +168,7 @@ def main(argv=None) -> int:
         limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
         default_max_tokens=args.default_max_tokens,
+        max_tokens_over_context=args.max_tokens_over_context,
         special_tokens_in_content=args.allow_special_tokens_in_content,
         json_schema_mode=args.json_schema_mode,
         metrics_without_key=args.metrics_without_key,

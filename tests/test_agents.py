@@ -1,0 +1,225 @@
+"""End to end: opencode, Claude Code and Codex CLI, configured exactly as README.md says, complete
+two turns each against the server, offline; the second turn reuses the first's prompt from the
+prompt cache. The configurations are read from the README's `<!-- agent-config: NAME -->`
+blocks, so the README and the tests cannot drift apart: no output-limit variables, no `limit`
+block, each CLI's own default output budget (opencode and Claude Code send max_tokens 32,000,
+which the server lowers to what the context leaves; Codex sends none).
+
+Contexts: the demo model's default (32,768) and `--max-context 16384`. opencode runs on the
+demo model itself, as the README's `mtp-serve --enable-mtp` serves it. Every agent also runs on
+a small synthetic model whose few likely tokens include EOS: the demo model's sampled replies to
+an agent's prompt run to thousands of tokens (minutes a turn on 2 cores), the synthetic one's end
+after a handful, so a turn costs little more than its prefill. Its tokenizer makes the agents'
+prompts about 12k (opencode), 13-17k (Claude Code) and 20k (Codex) tokens: a prompt that does
+not fit 16,384 is the agent's own limit, and there the test checks the user is told so.
+The agents come from npm (`./install.sh --test`); tests/npm_clients.py finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from npm_clients import REPO, failed_requests, metric, npm_bin
+from test_server_support import serve
+
+README_URL = "http://127.0.0.1:8000"
+DEMO_CONTEXT = 32768
+
+
+def readme_block(name: str) -> str:
+    """The fenced block after `<!-- agent-config: NAME -->` in README.md."""
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"<!-- agent-config: %s -->\s*```\w*\n(.*?)```" % re.escape(name), text, re.S)
+    assert m, f"README.md has no agent-config block '{name}'"
+    return m.group(1)
+
+
+def exported_env(block: str) -> dict:
+    """The variables a bash block `export`s (comments dropped)."""
+    env = {}
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            env.update(w.split("=", 1) for w in words[1:])
+    return env
+
+
+def clean_env(home: Path, *prefixes: str) -> dict:
+    """This environment without the agents' own settings; HOME a scratch folder."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes + ("XDG_",))}
+    home.mkdir(parents=True, exist_ok=True)
+    env["HOME"] = str(home)
+    return env
+
+
+class Agent:
+    """One agent CLI set up from the README in a scratch project folder."""
+
+    endpoint = ""
+    sends_budget = True  # sends max_tokens 32,000 for a model it does not know
+
+    def __init__(self, server, tmp: Path):
+        self.server, self.project = server, tmp / "project"
+        self.project.mkdir(parents=True)
+        self.env = self.setup(tmp)
+
+    def setup(self, tmp: Path) -> dict:
+        raise NotImplementedError
+
+    def command(self, prompt: str, first: bool) -> list:
+        raise NotImplementedError
+
+    def turn(self, prompt: str, first: bool) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(prompt, first), cwd=self.project, env=self.env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=420)
+
+
+class Opencode(Agent):
+    endpoint = "/v1/chat/completions"
+
+    def setup(self, tmp):
+        config = readme_block("opencode").replace(README_URL, self.server.root)
+        json.loads(config)
+        (self.project / "opencode.json").write_text(config)
+        env = clean_env(tmp / "home", "OPENCODE")
+        env["PWD"] = str(self.project)  # opencode takes its project folder from $PWD
+        self.bin = npm_bin("opencode", "opencode", "OPENCODE_BIN")
+        return env
+
+    def command(self, prompt, first):
+        return [self.bin, "run", *([] if first else ["-c"]), "-m", "mtp-serve/demo", prompt]
+
+
+class ClaudeCode(Agent):
+    endpoint = "/v1/messages"
+
+    def setup(self, tmp):
+        env = clean_env(tmp / "home", "ANTHROPIC_", "CLAUDE")
+        exports = exported_env(readme_block("claude"))
+        assert not any("MAX_OUTPUT" in k or "MAX_CONTEXT" in k for k in exports), exports  # no budget variables
+        env.update({k: v.replace(README_URL, self.server.root) for k, v in exports.items()})
+        self.bin = npm_bin("claude", "claude", "CLAUDE_BIN")
+        return env
+
+    def command(self, prompt, first):
+        return [self.bin, "-p", *([] if first else ["--continue"]), prompt]
+
+
+class Codex(Agent):
+    endpoint = "/v1/responses"
+    sends_budget = False
+
+    def setup(self, tmp):
+        home = tmp / "codex"
+        home.mkdir()
+        (home / "config.toml").write_text(readme_block("codex").replace(README_URL, self.server.root))
+        env = clean_env(tmp / "home", "CODEX_", "OPENAI_")
+        env["CODEX_HOME"] = str(home)
+        self.bin = npm_bin("codex", "codex", "CODEX_BIN")
+        return env
+
+    def command(self, prompt, first):
+        resume = [] if first else ["resume", "--last"]
+        return [self.bin, "exec", *resume, "--skip-git-repo-check", prompt]
+
+
+AGENTS = {"opencode": Opencode, "claude": ClaudeCode, "codex": Codex}
+
+
+def metrics(server) -> str:
+    return httpx.get(server.root + "/metrics").text
+
+
+def served_ok(text: str, endpoint: str) -> float:
+    return metric(text, r'mtp_requests_total\{endpoint="%s",status="200"\}' % re.escape(endpoint))
+
+
+def delta(after: str, before: str, name: str) -> float:
+    return metric(after, name) - metric(before, name)
+
+
+def two_turns(agent: Agent) -> None:
+    server, endpoint = agent.server, agent.endpoint
+    before = metrics(server)
+    r1 = agent.turn("Say hello", first=True)
+    after1 = metrics(server)
+    assert r1.returncode == 0, r1.stdout[-2000:] + r1.stderr[-2000:]
+    assert served_ok(after1, endpoint) - served_ok(before, endpoint) >= 1, after1
+    assert failed_requests(after1, endpoint) == 0, after1
+    prompt1 = delta(after1, before, "mtp_prompt_tokens_total")
+    assert prompt1 > 5000, prompt1  # the agent's system prompt and tool schemas
+    if agent.sends_budget:  # its 32,000-token budget did not fit beside the prompt: lowered, not refused
+        assert delta(after1, before, "mtp_max_tokens_lowered_total") >= 1, after1
+
+    r2 = agent.turn("And again", first=False)
+    after2 = metrics(server)
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert failed_requests(after2, endpoint) == 0, after2
+    # Turn 2 resends turn 1's conversation: most of its prompt comes from the prompt cache
+    # (all but the new message and what follows the last snapshot).
+    prompt2 = delta(after2, after1, "mtp_prompt_tokens_total")
+    cached2 = delta(after2, after1, "mtp_cached_prompt_tokens_total")
+    assert prompt2 > 5000 and cached2 > 0.8 * prompt2, (cached2, prompt2, prompt1)
+    assert server.service.engine.active_count == 0
+
+
+def context_refused(agent: Agent) -> None:
+    """A prompt longer than the served context: the server answers 400 context_length_exceeded
+    (never a cut prompt), and the agent fails saying it is out of context."""
+    before = metrics(agent.server)
+    r = agent.turn("Say hello", first=True)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "context" in out.lower(), out[-2000:]
+    refused = r'mtp_requests_total\{endpoint="%s",status="400"\}' % re.escape(agent.endpoint)
+    assert delta(metrics(agent.server), before, refused) >= 1
+
+
+@pytest.fixture(scope="module", params=[DEMO_CONTEXT, 16384], ids=["ctx32k", "ctx16k"])
+def synthetic_server(request, checkpoint_dir):
+    s = serve(checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True), served_model_name="demo", mtp_depth=2,
+              max_context=request.param)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    from mtp_serve.models.demo_model import default_model_path
+
+    s = serve(default_model_path(), served_model_name="demo", mtp_depth=2)
+    yield s
+    s.stop()
+
+
+# Agents whose own prompt (system prompt and tool schemas) is over 16,384 tokens with the
+# synthetic model's tokenizer: at --max-context 16384 nothing can serve them.
+PROMPT_OVER_16K = ("codex",)
+
+
+def run_agent(name: str, server, tmp_path) -> None:
+    agent = AGENTS[name](server, tmp_path)
+    try:
+        if server.service.max_context < DEMO_CONTEXT and name in PROMPT_OVER_16K:
+            context_refused(agent)
+        else:
+            two_turns(agent)
+    finally:
+        shutil.rmtree(tmp_path / "home", ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", list(AGENTS))
+def test_agent_two_turns_synthetic(name, synthetic_server, tmp_path):
+    run_agent(name, synthetic_server, tmp_path)
+
+
+def test_opencode_two_turns_demo_model(demo_server, tmp_path):
+    run_agent("opencode", demo_server, tmp_path)
