@@ -280,8 +280,8 @@ class _Rewrite:
             return self._each(lambda n: isinstance(n.get("$ref"), str) and (target is None or n["$ref"].endswith("#" + target))
                               and any(k not in ANNOTATIONS for k in n if k != "$ref"), "$ref", self._ref_siblings)
         if "does not exist" in error or "external" in error.lower() or "Retriev" in error:
-            return self._each(lambda n: isinstance(n.get("$ref"), str) and _resolve(n, self.root) is n, "$ref",
-                              lambda n, p: self.relax(n, p, "$ref"))
+            return self._each(lambda n: isinstance(n.get("$ref"), str) and not n["$ref"].startswith("#"), "$ref",
+                              lambda n, p: self.relax(n, p, "$ref"))  # outside the document: not fetched
         m = re.search(r"Unimplemented keys: \[(.*?)\]", error)
         if m:
             keys = [k.strip().strip('"') for k in m.group(1).split(",")]
@@ -371,6 +371,25 @@ def _serve(text: str) -> Tuple[ServedSchema, Optional[str]]:
     return ServedSchema(schema, rw.root, tuple(rw.relaxed), tuple(rw.ignored)), None
 
 
+MAX_PROBES = 200  # subschemas compiled alone to find where a refused schema fails
+
+
+def locate(schema: dict) -> Optional[Tuple[str, str]]:
+    """(keyword, JSON path) of the deepest subschema llguidance refuses on its own (with the
+    document's definitions beside it, so references resolve); None when none is found."""
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+    nodes = list(walk(schema))[:MAX_PROBES]
+    for node, path in reversed(nodes):  # children come after their parents
+        probe = {**defs, **{k: v for k, v in node.items() if k not in defs}}
+        if json_schema_error(json.dumps(probe)) is None:
+            continue
+        for key in sorted((k for k in node if k not in defs), key=lambda k: k == "type"):  # type last: it scopes the rest
+            if json_schema_error(json.dumps({k: v for k, v in probe.items() if k != key})) is None:
+                return key, pointer(path + (key,))
+        return "", pointer(path) or "/"
+    return None
+
+
 def serve_schema(schema: Any, mode: str = "relaxed", param: Optional[str] = None) -> ServedSchema:
     """The schema as served in `mode`; a 400 (APIError, in the API's shape) when it cannot be."""
     if schema is True or schema == {}:
@@ -384,8 +403,11 @@ def serve_schema(schema: Any, mode: str = "relaxed", param: Optional[str] = None
     served, error = _serve(text)
     where = f"{param}: " if param else ""
     if error is not None:
+        found = locate(served.schema)
+        at = "" if found is None else (f" ('{found[0]}' at {found[1]})" if found[0] else f" (at {found[1]})")
         named = f" (relaxed where it could: {', '.join(served.relaxed)})" if served.relaxed else ""
-        raise bad_request(f"{where}invalid json schema: this JSON schema cannot be served: {error}{named}", param, "invalid_constraint")
+        raise bad_request(f"{where}invalid json schema: this JSON schema cannot be served: {error}{at}{named}", param,
+                          "invalid_constraint")
     if mode == "strict" and served.relaxed:
         first, more = served.relaxed[0], len(served.relaxed) - 1
         keyword = first.rsplit("/", 1)[-1]

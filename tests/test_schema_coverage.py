@@ -252,10 +252,23 @@ def test_disjointness_is_sound():
     assert not disjoint({"type": "string", "maxLength": 3}, {"type": "string"}, root)
 
 
-def test_unservable_schema_is_a_400_with_the_reason():
+@pytest.mark.parametrize("schema, reason, where", [
+    ({"type": "nope"}, "Invalid type", "'type' at /type"),
+    (obj({"a": {"type": "string", "minLength": 5, "maxLength": 2}}), "unsatisfiable", "'minLength' at /properties/a/minLength"),
+    ({"$defs": {"x": {"type": "nope"}}, "properties": {"a": {"$ref": "#/$defs/x"}}}, "Invalid type", "'type' at /$defs/x/type"),
+    (obj({"a": {"$ref": "#/nowhere"}}), "does not exist", "'$ref' at /properties/a/$ref"),  # broken, not relaxed
+])
+def test_unservable_schema_is_a_400_naming_reason_keyword_and_path(schema, reason, where):
     with pytest.raises(APIError) as e:
-        serve_schema({"type": "nope"}, "relaxed", "response_format.schema")
-    assert e.value.status == 400 and "Invalid type" in e.value.message and e.value.param == "response_format.schema"
+        serve_schema(schema, "relaxed", "response_format.schema")
+    assert e.value.status == 400 and e.value.param == "response_format.schema"
+    assert reason in e.value.message and where in e.value.message, e.value.message
+
+
+def test_unservable_schema_through_the_api(server):
+    r = chat(server, obj({"a": {"type": "string", "minLength": 5, "maxLength": 2}}))
+    assert r.status_code == 400 and "'minLength' at /properties/a/minLength" in r.json()["error"]["message"]
+    assert server.service.engine.active_count == 0
 
 
 def test_served_schemas_are_cached_and_originals_untouched():
