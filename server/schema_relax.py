@@ -1,7 +1,7 @@
 """The JSON schemas people send, as schemas llguidance can enforce: exactly where an exact
 form exists, relaxed (and the output validated afterwards) where it does not.
 
-    served = serve_schema(schema, "relaxed", param="response_format")  # SchemaRefused (a 400) when it cannot be served
+    served = serve_schema(schema, "relaxed", param="response_format")  # a 400 (APIError) when it cannot be served
     served.schema      # what the grammar enforces
     served.relaxed     # ("/properties/tags/uniqueItems", ...): keywords the grammar does not enforce
     served.ignored     # ("/properties/v/format", ...): unknown formats, annotations by JSON Schema's rules
@@ -13,9 +13,12 @@ Rules, in order:
   formats annotations); `uniqueItems: false` (the default) and `uniqueItems` on arrays of at
   most one item are dropped; `dependentRequired` / array-valued `dependencies` on an object
   with at most `MAX_DEPENDENCIES` of them become `anyOf` branches (the key absent, or it and
-  its dependents present); a `oneOf` llguidance cannot show disjoint but this module can
-  (distinct types, distinct constants, or a required property whose values cannot overlap)
-  becomes `anyOf`;
+  its dependents present); `if`/`then`/`else` testing one property against constants, on an
+  object where that property takes finitely many values (an enum, a boolean), become one
+  `anyOf` branch per value (and one for the property absent) holding the parts it selects;
+  a `oneOf` llguidance cannot show disjoint but this module can (distinct types, distinct
+  constants, or a required property whose values cannot overlap) becomes `anyOf`; when these
+  branches do not compile, the keywords are relaxed instead;
 - keywords the grammar cannot enforce (`uniqueItems`, `dependentSchemas`, `if`/`then`/`else`,
   `not`, `contains`, `propertyNames`, `unevaluated*`, other `dependencies`) are dropped and
   listed in `relaxed`;
@@ -24,7 +27,7 @@ Rules, in order:
   enforce, a `pattern` with look-arounds, the constraint siblings of a circular `$ref`); what is
   left falls back to its own `lenient` option, listed as relaxed too.
 Under `strict` any relaxation is a 400 naming the keyword and its JSON path; a schema that cannot
-be served at all is a 400 with llguidance's reason.
+be served at all is a 400 with llguidance's reason and the keyword and path where it fails.
 """
 
 from __future__ import annotations
@@ -56,10 +59,6 @@ SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "de
 SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 SUBSCHEMA_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
                  "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-
-
-class SchemaRefused(ValueError):
-    """A schema that cannot be served in this mode; the message names the keyword and its path."""
 
 
 @dataclass
@@ -199,6 +198,43 @@ def disjoint(a: Any, b: Any, root: dict, depth: int = 0) -> bool:
     return False
 
 
+MAX_VALUES = 32  # values of a discriminator turned into branches
+_ABSENT = object()
+
+
+def _discriminator(cond: dict) -> Optional[str]:
+    """K when `cond["if"]` tests one property against constants: {"properties": {K: {"const"/"enum"}}},
+    optionally with "required": [K]."""
+    test = cond["if"]
+    if not isinstance(test, dict) or set(test) - {"properties", "required", *ANNOTATIONS}:
+        return None
+    props = test.get("properties")
+    if not isinstance(props, dict) or len(props) != 1:
+        return None
+    (key, sub), = props.items()
+    if not isinstance(sub, dict) or _values(sub) is None or set(sub) - {"const", "enum", *ANNOTATIONS}:
+        return None
+    return key if test.get("required", [key]) == [key] else None
+
+
+def _domain(sub: Any) -> Optional[list]:
+    """The finitely many values a property's schema allows, or None."""
+    if not isinstance(sub, dict):
+        return None
+    if _values(sub) is not None:
+        return list(_values(sub))
+    return [True, False] if sub.get("type") == "boolean" else None
+
+
+def _branch(cond: dict, key: str, value: Any) -> str:
+    """Which part of a conditional applies when the discriminator has `value` (_ABSENT: missing)."""
+    if value is _ABSENT:
+        return "else" if key in (cond["if"].get("required") or ()) else "then"
+    matches = any(json.dumps(value, sort_keys=True) == json.dumps(x, sort_keys=True) and _type_of(value) == _type_of(x)
+                  for x in _values(cond["if"]["properties"][key]))
+    return "then" if matches else "else"
+
+
 def _pairwise_disjoint(branches: list, root: dict) -> bool:
     return all(disjoint(x, y, root) for i, x in enumerate(branches) for y in branches[i + 1:])
 
@@ -209,12 +245,12 @@ def _pairwise_disjoint(branches: list, root: dict) -> bool:
 class _Rewrite:
     """One schema's rewriting: the working copy and what was relaxed or ignored."""
 
-    def __init__(self, schema: dict, enforce_dependencies: bool = True):
+    def __init__(self, schema: dict, enforce: bool = True):
         self.root = copy.deepcopy(schema)
         self.relaxed: List[str] = []
         self.ignored: List[str] = []
-        self.enforce_dependencies = enforce_dependencies
-        self.dependency_branches = 0  # dependencies rewritten as grammar branches
+        self.enforce = enforce
+        self.branch_rewrites = 0  # dependencies and conditionals rewritten as grammar branches
 
     def relax(self, node: dict, path: Tuple, key: str) -> None:
         node.pop(key, None)
@@ -228,8 +264,9 @@ class _Rewrite:
                 self.ignored.append(pointer(path + ("format",)))
             if "uniqueItems" in node and (node["uniqueItems"] is not True or node.get("maxItems", 2) <= 1):
                 node.pop("uniqueItems")
-            if self.enforce_dependencies:
+            if self.enforce:
                 self._dependencies_as_branches(node)
+                self._conditionals_as_branches(node)
 
     def _dependencies_as_branches(self, node: dict) -> None:
         """`{"a": ["b"]}`: a absent, or a and b present; exact as grammar branches."""
@@ -243,8 +280,38 @@ class _Rewrite:
         branches = [{"anyOf": [{"properties": {k: False}}, {"required": [k, *v]}]} for d in deps.values() for k, v in d.items()]
         for key in deps:
             node.pop(key)
-        self.dependency_branches += len(branches)
+        self.branch_rewrites += len(branches)
         node["allOf"] = list(node.get("allOf") or []) + branches
+
+    def _conditionals_as_branches(self, node: dict) -> None:
+        """`if: {properties: {K: {const: V}}}, then: T, else: E` (the node's own, and those in its
+        allOf) on an object whose K takes finitely many values: one branch per value of K, with
+        the thens and elses that value selects, and one for K absent; exact as grammar branches."""
+        conds = [c for c in [node] + list(node.get("allOf") or []) if isinstance(c, dict) and "if" in c]
+        keys = {_discriminator(c) for c in conds}
+        key = keys.pop() if len(keys) == 1 else None
+        domain = _domain(_resolve((node.get("properties") or {}).get(key, {}), self.root)) if key else None
+        if not conds or key is None or not domain or len(domain) > MAX_VALUES or any(
+                set(c) - {"if", "then", "else", *ANNOTATIONS} for c in conds if c is not node):
+            return
+        required = key in (node.get("required") or ())
+        branches = []
+        for v in domain + ([] if required else [_ABSENT]):
+            picked = [c[part] for c in conds for part in [_branch(c, key, v)] if part in c]
+            branch: dict = {"properties": {key: {"const": v} if v is not _ABSENT else False}}
+            if picked:
+                branch["allOf"] = picked
+            branches.append(branch)
+        node["allOf"] = [c for c in node.get("allOf") or [] if c not in conds]
+        if not node["allOf"]:
+            node.pop("allOf")
+        for part in ("if", "then", "else"):
+            node.pop(part, None)
+        if "anyOf" in node:
+            node.setdefault("allOf", []).append({"anyOf": branches})
+        else:
+            node["anyOf"] = branches
+        self.branch_rewrites += len(conds)
 
     @staticmethod
     def _one_of_as_any_of(node: dict) -> None:
@@ -339,8 +406,8 @@ def _lenient(schema: dict) -> Optional[Tuple[dict, List[str]]]:
     return None if is_error else (served, [f"(llguidance lenient) {w}" for w in warnings] or ["(llguidance lenient)"])
 
 
-def _rewrite(schema: dict, enforce_dependencies: bool) -> Tuple[_Rewrite, Optional[str]]:
-    rw = _Rewrite(schema, enforce_dependencies)
+def _rewrite(schema: dict, enforce: bool) -> Tuple[_Rewrite, Optional[str]]:
+    rw = _Rewrite(schema, enforce)
     if json_schema_error(json.dumps(schema)) is None:
         return rw, None
     rw.exact_pass()
@@ -360,9 +427,9 @@ def _serve(text: str) -> Tuple[ServedSchema, Optional[str]]:
     """(the schema served in relaxed mode, llguidance's reason when even that fails); cached:
     agents send the same tool schemas with every request."""
     schema = json.loads(text)
-    rw, error = _rewrite(schema, enforce_dependencies=True)
-    if error is not None and rw.dependency_branches:
-        rw, error = _rewrite(schema, enforce_dependencies=False)  # the dependency branches did not compile
+    rw, error = _rewrite(schema, enforce=True)
+    if error is not None and rw.branch_rewrites:
+        rw, error = _rewrite(schema, enforce=False)  # the dependency branches did not compile
     if error is not None:
         lenient = _lenient(rw.root) if isinstance(rw.root, dict) else None
         if lenient is None:

@@ -39,9 +39,11 @@ CASES = {
     "dependentRequired": (obj({"a": SHORT, "b": INT, "c": INT}, required=["c"], dependentRequired={"a": ["b"]}), True, [], []),
     "uniqueItems": (obj({"xs": {"type": "array", "items": INT, "maxItems": 4, "uniqueItems": True}}),
                     False, ["/properties/xs/uniqueItems"], []),
-    "if_then": (obj({"kind": {"enum": ["a", "b"]}, "n": INT}, required=["kind"],
-                    **{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]}}),
-                False, ["/if", "/then"], []),
+    "if_then": (obj({"kind": {"enum": ["a", "b"]}, "n": INT}, required=["kind"],  # a finite discriminator: branches
+                    **{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]}}), True, [], []),
+    "if_then_else": (obj({"kind": SHORT, "n": INT, "m": INT}, required=["kind"],  # any string: relaxed
+                         **{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]}, "else": {"required": ["m"]}}),
+                     False, ["/if", "/then", "/else"], []),
     "recursive_ref_siblings": ({"$defs": {"node": obj({"v": INT, "next": {"$ref": "#/$defs/node", "maxProperties": 2}},
                                                       required=["v"])},
                                 "$ref": "#/$defs/node"}, False, ["/$defs/node/properties/next/maxProperties"], []),
@@ -109,9 +111,10 @@ def test_mtp_equals_plain_under_the_same_constraint(server, name):
     assert mtp["structured_output"] == plain["structured_output"]
 
 
-def test_enforced_dependencies_hold_under_sampling(server):
-    """dependentRequired / dependencies are grammar branches, not relaxed: every sampled output obeys them."""
-    for name in ("dependencies", "dependentRequired"):
+def test_enforced_dependencies_and_conditionals_hold_under_sampling(server):
+    """dependentRequired / dependencies / if-then on a finite discriminator are grammar branches,
+    not relaxed: every sampled output obeys them."""
+    for name in ("dependencies", "dependentRequired", "if_then"):
         schema = CASES[name][0]
         for seed in range(4):
             r = chat(server, schema, temperature=1.0, seed=seed).json()
@@ -228,17 +231,30 @@ def test_forced_oneof_tool_through_responses(server):
 
 
 def test_responses_text_format_relaxed(server):
-    schema = CASES["if_then"][0]
+    schema = CASES["if_then_else"][0]
     r = httpx.post(server.base_url + "/responses", json={
         "model": "test-model", "input": "JSON please", "max_output_tokens": 80, "temperature": 0,
         "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     text = "".join(p["text"] for o in body["output"] if o["type"] == "message" for p in o["content"])
-    check_report(body["structured_output"], schema, text, "length" if body["status"] == "incomplete" else "stop", ["/if", "/then"], [])
+    check_report(body["structured_output"], schema, text, "length" if body["status"] == "incomplete" else "stop",
+                 ["/if", "/then", "/else"], [])
 
 
 # ---------------------------------------------------------------- the rewriting alone
+
+
+def test_discriminated_conditionals_become_one_branch_per_value():
+    tagged = {"type": "object", "properties": {"t": {"enum": ["x", "y", "z"]}, "a": INT, "b": INT}, "allOf": [
+        {"if": {"properties": {"t": {"const": "x"}}}, "then": {"required": ["a"]}},
+        {"if": {"properties": {"t": {"enum": ["y", "z"]}}, "required": ["t"]}, "then": {"required": ["b"]}, "else": {"properties": {"b": False}}}]}
+    served = serve_schema(tagged, "strict")
+    assert served.exact and "allOf" not in served.schema
+    by_value = {b["properties"]["t"].get("const", "absent") if b["properties"]["t"] else "absent": b.get("allOf", [])
+                for b in served.schema["anyOf"]}
+    assert by_value == {"x": [{"required": ["a"]}, {"properties": {"b": False}}], "y": [{"required": ["b"]}],
+                        "z": [{"required": ["b"]}], "absent": [{"required": ["a"]}, {"properties": {"b": False}}]}
 
 
 def test_disjointness_is_sound():
@@ -272,7 +288,7 @@ def test_unservable_schema_through_the_api(server):
 
 
 def test_served_schemas_are_cached_and_originals_untouched():
-    schema = CASES["if_then"][0]
+    schema = CASES["if_then_else"][0]
     before = json.dumps(schema)
     a, b = serve_schema(schema), serve_schema(json.loads(before))
     assert a is b and json.dumps(schema) == before and "if" not in a.schema
