@@ -12,17 +12,20 @@ want_test=0
 # preloads Debian's OpenBLAS at import time when it is installed. MLX builds its
 # fused kernels for mx.compile'd decode steps with g++ (without it they run unfused),
 # and mtp-serve its sgemm for decode-sized products with the C compiler g++ brings
-# (mtp_serve/native/skinny_sgemm.c; without it OpenBLAS computes them, slower).
+# (mtp_serve/native/skinny_sgemm.c; without it OpenBLAS computes them, slower). cmake and g++
+# build its quantized decode matmul (mtp_serve/native/quantized_matmul.cpp; without them MLX's
+# kernel computes quantized models' products, several times slower).
 if [ "$(uname -s)" = Linux ]; then
   missing=""
   ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0" || missing=" libopenblas0-pthread"
   command -v g++ >/dev/null || missing="$missing g++"
+  command -v cmake >/dev/null || missing="$missing cmake"
   if [ -n "$missing" ]; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     if command -v apt-get >/dev/null; then
       $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $missing >/dev/null
     else
-      echo "install.sh: install$missing with your package manager (OpenBLAS: fast fp32 matmuls; g++: fused kernels)" >&2
+      echo "install.sh: install$missing with your package manager (OpenBLAS: fast fp32 matmuls; g++, cmake: fused and quantized kernels)" >&2
     fi
   fi
 fi
@@ -41,4 +44,8 @@ if [ "$want_test" = 1 ]; then
   fi
 else
   python3 -m pip install -q -e .
+fi
+# Build the quantized decode matmul now rather than at the first quantized model's start (about a minute).
+if [ "$(uname -s)" = Linux ]; then
+  python3 -m mtp_serve.quantized_matmul || echo "install.sh: quantized matmul kernel not built; quantized models use MLX's kernel" >&2
 fi

@@ -23,6 +23,8 @@ from typing import Iterable, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .quantized_layers import quantized_matmul
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
@@ -48,7 +50,7 @@ class DraftVocab:
         """[..., N] scores of the subset's tokens (ids: `self.ids`)."""
         if self._quant is None:
             return h @ self._w.T
-        return mx.quantized_matmul(h, self._w, self._scales, self._biases, transpose=True, **self._quant)
+        return quantized_matmul(h, self._w, self._scales, self._biases, **self._quant)
 
     def to_vocab(self, logits: mx.array, vocab_size: int) -> mx.array:
         """Subset scores [R, N] -> full-vocabulary scores [R, V], -inf outside the subset."""

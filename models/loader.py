@@ -33,6 +33,7 @@ from .mlx_lm_compat import (
     load_tokenizer,
 )
 from .model_card import ModelCard, load_card
+from .quantized_layers import install_decode_qmm
 from .mtp_head import MTPHead
 from .mtp_model import MTPModel
 from .mtp_source import graft_command
@@ -232,6 +233,8 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
         mx.eval(head.parameters())
     mx.eval(model.parameters())
     model.eval()
+    if quantization:  # decode-sized quantized products on mtp-serve's kernel (CPU; built at first use)
+        install_decode_qmm([model, head])
 
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)

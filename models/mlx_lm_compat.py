@@ -25,6 +25,7 @@ from mlx_lm.models import cache as _cache
 from mlx_lm.models import gated_delta as _gated_delta
 from mlx_lm.models import pipeline as _pipeline
 from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models import switch_layers as _switch_layers
 from mlx_lm import sample_utils as _sample_utils
 from mlx_lm import tokenizer_utils as _tokenizer_utils
 from mlx_lm import utils as _utils
@@ -93,6 +94,9 @@ _require_init_fields(qwen3_5.GatedDeltaNet, ["sharding_group"])
 _require_init_fields(qwen3_5.TextModel, ["sharding_group"])
 _require_init_fields(qwen3_next.Qwen3NextMLP, ["gate_proj", "up_proj", "down_proj"])
 _require_init_fields(qwen3_next.Qwen3NextRMSNormGated, ["weight", "eps"])
+# Quantized MoE experts: models/quantized_layers.py computes their decode-sized products.
+_require(_switch_layers, ["QuantizedSwitchLinear"], "mlx_lm.models.switch_layers")
+_require_init_fields(_switch_layers.QuantizedSwitchLinear, ["group_size", "bits", "mode"])
 for _layer in (qwen3_5.DecoderLayer, qwen3_next.Qwen3NextDecoderLayer):
     _require_init_fields(_layer, ["is_linear", "input_layernorm", "post_attention_layernorm", "mlp"])
 
@@ -136,6 +140,7 @@ Qwen35DecoderLayer = qwen3_5.DecoderLayer
 Qwen3NextGatedDeltaNetBase = qwen3_next.Qwen3NextGatedDeltaNet
 Qwen3NextDecoderLayer = qwen3_next.Qwen3NextDecoderLayer
 Qwen3NextAttention = qwen3_next.Qwen3NextAttention
+QuantizedSwitchLinear = _switch_layers.QuantizedSwitchLinear
 
 
 def shard_decoder_layers(layers, group) -> None:

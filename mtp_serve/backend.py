@@ -83,6 +83,9 @@ def set_blas_threads(n: int | None) -> None:
     if n != _blas_threads:
         _OPENBLAS.openblas_set_num_threads(n)
         skinny_gemm.set_threads(n)
+        from . import quantized_matmul  # here, not at the top: it imports mlx.core (after OpenBLAS's preload)
+
+        quantized_matmul.set_threads(n)
         _blas_threads = n
 
 

@@ -1,0 +1,128 @@
+"""Quantized layers whose decode-sized products run on mtp-serve's CPU kernel.
+
+After loading, every affine-quantized `nn.QuantizedLinear`, `nn.QuantizedEmbedding`
+(its `as_linear`: a tied LM head) and mlx-lm `QuantizedSwitchLinear` (MoE experts,
+`gather_qmm`) of the model and its MTP head is switched to the subclass below
+(a class swap, as `gdn.py` does: the weights and the module tree stay as mlx-lm
+built them). Inputs of at most `MAX_ROWS` rows go to `mtp_serve.quantized_matmul`,
+which reads each packed weight once for all rows and gives every row the same
+bits whatever the rows beside it (verify windows score like plain steps); larger
+inputs (prefill) and anything the kernel does not take go to MLX as before.
+Works inside mx.compile (the kernel is an MLX primitive).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_serve import quantized_matmul as qmm_ext
+from mtp_serve.backend import SMALL_MATMUL_ROWS
+
+from .mlx_lm_compat import QuantizedSwitchLinear
+
+# Tokens per product through the kernel: decode steps, verify windows and drafts of a
+# batch (the fp32 path's decode threshold). Prefill keeps MLX's kernel.
+MAX_ROWS = SMALL_MATMUL_ROWS
+# MoE: (token, expert) rows of a gathered product, e.g. 64 tokens with 16 experts each.
+MAX_GATHERED_ROWS = 16 * MAX_ROWS
+
+
+def _rows(x: mx.array) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    return n
+
+
+def _takes(layer: nn.Module, x: mx.array, rows: int, limit: int = MAX_ROWS) -> bool:
+    return (rows <= limit and mx.issubdtype(x.dtype, mx.floating)
+            and qmm_ext.supports(layer.bits, layer.group_size, getattr(layer, "mode", "affine"), x.shape[-1],
+                                 layer["scales"].dtype)
+            and layer.get("biases") is not None)
+
+
+class DecodeQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _takes(self, x, _rows(x)):
+            return super().__call__(x)
+        y = qmm_ext.qmm(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _takes(self, x, _rows(x)):
+            return super().as_linear(x)
+        return qmm_ext.qmm(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+
+
+class DecodeQuantizedSwitchLinear(QuantizedSwitchLinear):
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        pairs = 1
+        for d in qmm_ext._broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape)):
+            pairs *= d
+        if getattr(self, "global_scale", None) is not None or not _takes(self, x, pairs * x.shape[-2], MAX_GATHERED_ROWS):
+            return super().__call__(x, indices, sorted_indices)
+        y = qmm_ext.gather_qmm(x, self["weight"], self["scales"], self["biases"], indices, self.group_size, self.bits)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+_SWAPS = (
+    (nn.QuantizedLinear, DecodeQuantizedLinear),
+    (nn.QuantizedEmbedding, DecodeQuantizedEmbedding),
+    (QuantizedSwitchLinear, DecodeQuantizedSwitchLinear),
+)
+
+
+def install_decode_qmm(modules: Iterable[nn.Module]) -> int:
+    """Switch the quantized layers under `modules` to the kernel's subclasses (when the
+    kernel is available: builds it at the first quantized model); the number switched."""
+    layers = [m for root in modules if root is not None for _, m in root.named_modules()
+              if any(type(m) is base for base, _ in _SWAPS)]
+    if not layers or qmm_ext.load() is None:
+        return 0
+    swapped = 0
+    for m in layers:  # a module shared by model and head is listed twice
+        sub = next((sub for base, sub in _SWAPS if type(m) is base), None)
+        if sub is not None:
+            m.__class__ = sub
+            swapped += 1
+    return swapped
+
+
+@contextmanager
+def use_kernel(modules: Iterable[nn.Module], on: bool) -> Iterator[None]:
+    """Inside the block the switched layers are (on=False) or are not (on=True) MLX's own
+    classes again (benchmarks compare with mlx-lm on the same model; already compiled
+    steps keep what they traced)."""
+    modules = [m for m in modules if m is not None]
+    pairs = [(base, sub) if not on else (sub, base) for base, sub in _SWAPS]
+    switched = []
+    for root in modules:
+        for _, m in root.named_modules():
+            to = next((a for a, b in pairs if type(m) is b), None)
+            if to is not None:
+                switched.append((m, type(m)))
+                m.__class__ = to
+    try:
+        yield
+    finally:
+        for m, cls in switched:
+            m.__class__ = cls
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int, bits: int,
+                     mode: str = "affine") -> mx.array:
+    """`mx.quantized_matmul(..., transpose=True)`, on the kernel where it takes the product."""
+    if (biases is not None and _rows(x) <= MAX_ROWS and mx.issubdtype(x.dtype, mx.floating)
+            and qmm_ext.supports(bits, group_size, mode, x.shape[-1], scales.dtype)):
+        return qmm_ext.qmm(x, w, scales, biases, group_size, bits)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)

@@ -1,0 +1,477 @@
+// Decode-sized quantized matmuls on CPU, as MLX custom primitives.
+//
+// MLX 0.32's CPU `quantized_matmul` dequantizes each weight for every row of x
+// and runs 4-10x slower than an fp32 matmul of the same shape, linearly in the
+// rows (SPEC section 6), so a T-token verify window costs about T plain steps.
+// Here y = x @ dequant(W)^T is computed for a few rows of x (decode steps,
+// verify windows, drafts) reading each packed weight once for all rows:
+//
+//   y[m, n] = sum_g s[n, g] * (sum_{k in g} q[n, k] x[m, k]) + sum_g b[n, g] * xsum[m, g]
+//
+// so a weight is unpacked to float once and then costs one FMA per row of x.
+// Unpacking: a lane holds one uint32 word; its j-th field is isolated with an
+// AND against the field's mask (no shift), which leaves q * 2^(bits*j), a float
+// with at most `bits` significant bits, converted exactly; x is stored once per
+// call pre-scaled by 2^(-bits*j) in the matching lane order, so the products are
+// exactly q * x (the top field is shifted down instead: it would read as negative).
+//
+// Exactness across row counts: each output element is the same sequence of
+// operations (8-lane FMA chains per chunk of 8 words, one scale FMA per chunk,
+// the bias term over groups, one horizontal sum) whatever the number of rows
+// beside it or the split over threads, so a row's result is bit-identical
+// for 1..any rows (verify windows score exactly like plain steps). Compiled with
+// -ffp-contract=off so that scalar code is never contracted differently per path.
+//
+// Gathered variant (MoE experts, mlx-lm's `gather_qmm`): each (token, expert)
+// pair's rows; pairs are grouped by expert so one expert's weights are read
+// once for every row routed to it.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace {
+
+
+// ------------------------------------------------------------------ scale/bias loads
+
+enum ScaleType { F32 = 0, BF16 = 1, F16 = 2 };
+
+template <int ST>
+inline float ld1(const void* p, long i) {
+  if constexpr (ST == F32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == BF16) {
+    uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+template <int ST>
+inline __m256 ld8(const void* p, long i) {
+  if constexpr (ST == F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (ST == BF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
+  return _mm_cvtss_f32(s);
+}
+
+// ------------------------------------------------------------------ the kernel
+
+// x prepared once per call: per row, K floats in lane order (chunk c, field j,
+// lane i -> x[(8c + i) * epw + j] * 2^(-bits*j)) and the G group sums of x.
+struct Prep {
+  int K, G, gs, bits;
+  std::vector<float> xp, xs;
+
+  void build(const float* x, long rows, int K_, int gs_, int bits_) {
+    K = K_, gs = gs_, bits = bits_, G = K / gs;
+    const int epw = 32 / bits, chunks = K / (8 * epw);
+    xp.resize(size_t(rows) * K);
+    xs.resize(size_t(rows) * G);
+    for (long m = 0; m < rows; m++) {
+      const float* xr = x + size_t(m) * K;
+      float* p = xp.data() + size_t(m) * K;
+      for (int c = 0; c < chunks; c++)
+        for (int j = 0; j < epw; j++) {
+          const float f = (j == 0 || j == epw - 1) ? 1.0f : std::ldexp(1.0f, -bits * j);
+          for (int i = 0; i < 8; i++) *p++ = xr[(8 * c + i) * epw + j] * f;
+        }
+      for (int g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (int k = 0; k < gs; k++) s += xr[g * gs + k];
+        xs[size_t(m) * G + g] = s;
+      }
+    }
+  }
+};
+
+// The scales of chunk c's 8 lanes. SPLIT: groups per chunk (1: the chunk lies in one group).
+template <int ST, int SPLIT>
+inline __m256 chunk_scale(const void* s, long row0, int c, int chunks_per_group) {
+  if constexpr (SPLIT == 1) {
+    return _mm256_set1_ps(ld1<ST>(s, row0 + c / chunks_per_group));
+  } else if constexpr (SPLIT == 2) {
+    return _mm256_setr_m128(_mm_set1_ps(ld1<ST>(s, row0 + 2 * c)), _mm_set1_ps(ld1<ST>(s, row0 + 2 * c + 1)));
+  } else {
+    const long g = row0 + 4 * c;
+    const float a = ld1<ST>(s, g), b = ld1<ST>(s, g + 1), d = ld1<ST>(s, g + 2), e = ld1<ST>(s, g + 3);
+    return _mm256_setr_ps(a, a, b, b, d, d, e, e);
+  }
+}
+
+struct Job {
+  const Prep* prep;
+  const uint32_t* w;  // this expert's [N, K*bits/32]
+  const void* scales;  // [N, G]
+  const void* biases;
+  const int* rows;  // rows of x (and of out) this job computes
+  int nrows;
+  long N;
+  float* out;  // [*, N]
+};
+
+// R rows of W (from n) against MM rows of x (from rows).
+template <int BITS, int ST, int SPLIT, int R, int MM>
+inline __attribute__((always_inline)) void block(const Job& jb, const int* rows, long n) {
+  constexpr int EPW = 32 / BITS;
+  constexpr uint32_t FIELD = (1u << BITS) - 1;
+  const Prep& p = *jb.prep;
+  const int K = p.K, G = p.G, Kw = K / EPW, chunks = Kw / 8;
+  const int cpg = std::max(1, p.gs / (8 * EPW));
+  const float* xr[MM];
+  for (int m = 0; m < MM; m++) xr[m] = p.xp.data() + size_t(rows[m]) * K;
+  const uint32_t* wr[R];
+  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
+  for (int c = 0; c < chunks; c++) {
+    __m256i wv[R];
+    for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + 8 * c));
+    __m256 dot[R][MM];
+#pragma GCC unroll 16
+    for (int j = 0; j < EPW; j++) {
+      __m256 xv[MM];
+      for (int m = 0; m < MM; m++) xv[m] = _mm256_loadu_ps(xr[m] + (size_t(c) * EPW + j) * 8);
+      for (int r = 0; r < R; r++) {
+        __m256i q = (j == EPW - 1) ? _mm256_srli_epi32(wv[r], BITS * j)
+                                   : _mm256_and_si256(wv[r], _mm256_set1_epi32(int(FIELD << (BITS * j))));
+        __m256 qf = _mm256_cvtepi32_ps(q);
+        for (int m = 0; m < MM; m++) dot[r][m] = j == 0 ? _mm256_mul_ps(qf, xv[m]) : _mm256_fmadd_ps(qf, xv[m], dot[r][m]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const __m256 s = chunk_scale<ST, SPLIT>(jb.scales, (n + r) * long(G), c, cpg);
+      for (int m = 0; m < MM; m++) acc[r][m] = _mm256_fmadd_ps(s, dot[r][m], acc[r][m]);
+    }
+  }
+  // Bias term: sum_g b[n, g] * xsum[m, g], 8 groups a lane, then the tail.
+  for (int r = 0; r < R; r++) {
+    const long b0 = (n + r) * long(G);
+    for (int m = 0; m < MM; m++) {
+      const float* xs = p.xs.data() + size_t(rows[m]) * G;
+      __m256 bacc = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= G; g += 8) bacc = _mm256_fmadd_ps(ld8<ST>(jb.biases, b0 + g), _mm256_loadu_ps(xs + g), bacc);
+      float t = hsum(bacc);
+      for (; g < G; g++) t = t + ld1<ST>(jb.biases, b0 + g) * xs[g];
+      jb.out[size_t(rows[m]) * jb.N + n + r] = hsum(acc[r][m]) + t;
+    }
+  }
+}
+
+// Rows [n0, n1) of W against all the job's rows of x: 4 rows of W (2 KB at K = 1024,
+// 4 bits: in L1 after the first pass) meet x two rows at a time. Measured against
+// one pass over all rows with fewer rows of W (registers spilled): M = 8 2.4 vs 3.0 ms.
+template <int BITS, int ST, int SPLIT>
+void span(const Job& jb, long n0, long n1) {
+  constexpr int R = 4;
+  const int M = jb.nrows;
+  long n = n0;
+  for (; n + R <= n1; n += R) {
+    int m = 0;
+    for (; m + 2 <= M; m += 2) block<BITS, ST, SPLIT, R, 2>(jb, jb.rows + m, n);
+    if (m < M) block<BITS, ST, SPLIT, R, 1>(jb, jb.rows + m, n);
+  }
+  for (; n < n1; n++) {
+    int m = 0;
+    for (; m + 2 <= M; m += 2) block<BITS, ST, SPLIT, 1, 2>(jb, jb.rows + m, n);
+    if (m < M) block<BITS, ST, SPLIT, 1, 1>(jb, jb.rows + m, n);
+  }
+}
+
+using SpanFn = void (*)(const Job&, long, long);
+
+template <int BITS, int ST>
+SpanFn pick_split(int split) {
+  if (split == 1) return span<BITS, ST, 1>;
+  if (split == 2) return span<BITS, ST, 2>;
+  return span<BITS, ST, 4>;
+}
+
+template <int BITS>
+SpanFn pick_st(int st, int split) {
+  if (st == F32) return pick_split<BITS, F32>(split);
+  if (st == BF16) return pick_split<BITS, BF16>(split);
+  return pick_split<BITS, F16>(split);
+}
+
+SpanFn pick(int bits, int st, int gs) {
+  const int split = std::max(1, 8 * (32 / bits) / gs);
+  if (bits == 2) return pick_st<2>(st, split);
+  if (bits == 4) return pick_st<4>(st, split);
+  return pick_st<8>(st, split);
+}
+
+// ------------------------------------------------------------------ thread pool
+
+// The caller is part 0; workers sleep on a condition variable between products.
+class Pool {
+ public:
+  void set_threads(int n) {
+    std::lock_guard<std::mutex> g(call_);
+    threads_ = std::clamp(n, 1, 64);
+  }
+  int threads() const { return threads_; }
+
+  // fn(part, parts) on `parts` threads (fewer when another product holds the pool).
+  void run(int parts, const std::function<void(int, int)>& fn) {
+    if (parts <= 1 || !call_.try_lock()) {
+      fn(0, 1);
+      return;
+    }
+    parts = std::min(parts, threads_);
+    while (int(workers_.size()) < parts - 1) {
+      const int id = int(workers_.size()) + 1;
+      workers_.emplace_back([this, id, seen = generation_] { work(id, seen); });
+      workers_.back().detach();
+    }
+    {
+      std::lock_guard<std::mutex> g(m_);
+      fn_ = &fn;
+      parts_ = parts;
+      pending_ = int(workers_.size());
+      generation_++;
+    }
+    wake_.notify_all();
+    fn(0, parts);
+    std::unique_lock<std::mutex> g(m_);
+    done_.wait(g, [this] { return pending_ == 0; });
+    g.unlock();
+    call_.unlock();
+  }
+
+ private:
+  void work(int id, unsigned long seen) {
+    for (;;) {
+      std::unique_lock<std::mutex> g(m_);
+      wake_.wait(g, [&] { return generation_ != seen; });
+      seen = generation_;
+      const auto* fn = fn_;
+      const int parts = parts_;
+      g.unlock();
+      if (id < parts) (*fn)(id, parts);
+      g.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex call_, m_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int, int)>* fn_ = nullptr;
+  int parts_ = 1, pending_ = 0, threads_ = 1;
+  unsigned long generation_ = 0;
+};
+
+// Never destroyed: at exit, destroying a condition variable its sleeping workers wait on blocks (glibc).
+Pool& pool = *new Pool;
+long thread_min = 1L << 19;  // weights (elements) below which one thread computes
+std::atomic<long> calls{0};
+
+// ------------------------------------------------------------------ compute
+
+int scale_type(mx::Dtype d) {
+  if (d == mx::float32) return F32;
+  if (d == mx::bfloat16) return BF16;
+  if (d == mx::float16) return F16;
+  throw std::invalid_argument("mtp qmm: scales and biases must be float32, bfloat16 or float16");
+}
+
+// tasks: (expert, rows routed to it); every task has N rows of W.
+void compute(const float* x, long xrows, int K, const uint32_t* w, const void* scales, const void* biases, int st,
+             long N, int gs, int bits, const std::vector<std::pair<long, std::vector<int>>>& tasks, float* out) {
+  Prep prep;
+  prep.build(x, xrows, K, gs, bits);
+  const SpanFn fn = pick(bits, st, gs);
+  const long Kw = K / (32 / bits), G = K / gs;
+  const size_t ssz = st == F32 ? 4 : 2;
+  const long units = N * long(tasks.size());
+  auto part = [&](int p, int parts) {
+    const long u0 = units * p / parts, u1 = units * (p + 1) / parts;
+    for (long u = u0; u < u1;) {
+      const long t = u / N, n0 = u % N, n1 = std::min(N, n0 + (u1 - u));
+      const long e = tasks[t].first;
+      Job jb{&prep,
+             w + size_t(e) * N * Kw,
+             static_cast<const char*>(scales) + size_t(e) * N * G * ssz,
+             static_cast<const char*>(biases) + size_t(e) * N * G * ssz,
+             tasks[t].second.data(),
+             int(tasks[t].second.size()),
+             N,
+             out};
+      fn(jb, n0, n1);
+      u += n1 - n0;
+    }
+  };
+  const long work = units * K;
+  const int parts = work < thread_min ? 1 : int(std::min<long>(pool.threads(), units / 8 > 0 ? units / 8 : 1));
+  pool.run(parts, part);
+  calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+// ------------------------------------------------------------------ primitives
+
+class QuantizedMatmulRows : public mx::UnaryPrimitive {
+ public:
+  // rows_per_pair == 0: dense (inputs x, w, scales, biases); otherwise gathered
+  // (inputs x, w, scales, biases, indices; x holds rows_per_pair rows per index).
+  QuantizedMatmulRows(mx::Stream s, int group_size, int bits, int rows_per_pair)
+      : mx::UnaryPrimitive(s), gs_(group_size), bits_(bits), rpp_(rows_per_pair) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const auto& sc = inputs[2];
+    const auto& bi = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const long K = x.shape(-1), xrows = x.size() / K, N = w.shape(-2);
+    const int st = scale_type(sc.dtype());
+    std::vector<std::pair<long, std::vector<int>>> tasks;
+    const uint32_t* idx = nullptr;
+    long pairs = 0;
+    if (rpp_ == 0) {
+      std::vector<int> rows(xrows);
+      for (long m = 0; m < xrows; m++) rows[m] = int(m);
+      tasks.emplace_back(0, std::move(rows));
+    } else {
+      idx = inputs[4].data<uint32_t>();
+      pairs = inputs[4].size();
+    }
+    enc.dispatch([x = x.data<float>(), w = w.data<uint32_t>(), sc = static_cast<const void*>(sc.data<char>()), bi = static_cast<const void*>(bi.data<char>()),
+                  o = out.data<float>(), idx, pairs, rpp = rpp_, E = rpp_ ? w.shape(0) : 1, tasks, xrows, K, N, st,
+                  gs = gs_, bits = bits_]() mutable {
+      if (idx != nullptr) {  // group the pairs' rows by expert (indices are read only now: computed upstream)
+        std::vector<std::vector<int>> by(E);
+        for (long p = 0; p < pairs; p++) {
+          const uint32_t e = idx[p];
+          for (int r = 0; r < rpp; r++) {
+            if (e < uint32_t(E)) by[e].push_back(int(p * rpp + r));
+            else std::fill(o + (p * rpp + r) * N, o + (p * rpp + r + 1) * N, 0.0f);  // out of range: zeros
+          }
+        }
+        for (long e = 0; e < E; e++)
+          if (!by[e].empty()) tasks.emplace_back(e, std::move(by[e]));
+      }
+      compute(x, xrows, int(K), w, sc, bi, st, N, gs, bits, tasks, o);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp qmm: CPU only");
+  }
+
+  const char* name() const override { return rpp_ ? "MtpGatherQMMRows" : "MtpQMMRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmulRows&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_ && rpp_ == o.rpp_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& x = inputs[0];
+    return {mx::Shape{int(x.size() / x.shape(-1)), inputs[1].shape(-2)}};
+  }
+
+ private:
+  int gs_, bits_, rpp_;
+};
+
+void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::array& bi, int gs, int bits,
+           int wdims) {
+  if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument("mtp qmm: bits must be 2, 4 or 8");
+  if (gs != 32 && gs != 64 && gs != 128) throw std::invalid_argument("mtp qmm: group_size must be 32, 64 or 128");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("mtp qmm: x must be float32");
+  if (w.dtype() != mx::uint32 || w.ndim() != wdims) throw std::invalid_argument("mtp qmm: bad packed weight");
+  const int K = x.shape(-1);
+  if (K % (8 * (32 / bits)) != 0 || K % gs != 0 || w.shape(-1) * (32 / bits) != K)
+    throw std::invalid_argument("mtp qmm: K does not match the packed weight or is not a multiple of 8 words");
+  if (sc.shape() != bi.shape() || sc.dtype() != bi.dtype() || sc.shape(-1) != K / gs || sc.shape(-2) != w.shape(-2))
+    throw std::invalid_argument("mtp qmm: scales/biases do not match the weight");
+  scale_type(sc.dtype());
+}
+
+// x [M, K] float32 -> [M, N] float32.
+mx::array qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                   int group_size, int bits) {
+  check(x, w, scales, biases, group_size, bits, 2);
+  auto s = mx::to_stream({});
+  std::vector<mx::array> in = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
+                               mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
+  const int M = x.size() / x.shape(-1);
+  return mx::array(mx::Shape{M, w.shape(0)}, mx::float32,
+                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0), std::move(in));
+}
+
+// x [P * rows_per_pair, K] float32, indices [P] (expert of each pair) -> [P * rows_per_pair, N].
+mx::array gather_qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                          const mx::array& indices, int rows_per_pair, int group_size, int bits) {
+  check(x, w, scales, biases, group_size, bits, 3);
+  if (rows_per_pair < 1 || long(indices.size()) * rows_per_pair != long(x.size() / x.shape(-1)))
+    throw std::invalid_argument("mtp gather qmm: x rows != indices * rows_per_pair");
+  auto s = mx::to_stream({});
+  std::vector<mx::array> in = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
+                               mx::contiguous(scales, false, s), mx::contiguous(biases, false, s),
+                               mx::contiguous(mx::astype(mx::flatten(indices, s), mx::uint32, s), false, s)};
+  const int M = x.size() / x.shape(-1);
+  return mx::array(mx::Shape{M, w.shape(1)}, mx::float32,
+                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, rows_per_pair), std::move(in));
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+}  // namespace
+
+NB_MODULE(_mtp_qmm, m) {
+  m.doc() = "mtp-serve's decode-sized quantized matmuls (CPU, AVX2/FMA)";
+  m.def("qmm_rows", &qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
+  m.def("gather_qmm_rows", &gather_qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, "rows_per_pair"_a,
+        "group_size"_a, "bits"_a);
+  m.def("cpu_supported", &cpu_supported);
+  m.def("set_threads", [](int n) { pool.set_threads(n); });
+  m.def("threads", [] { return pool.threads(); });
+  m.def("set_thread_min", [](long n) { thread_min = n; });
+  m.def("calls", [] { return calls.load(); });
+}

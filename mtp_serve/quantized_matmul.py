@@ -1,0 +1,222 @@
+"""Build and load `native/quantized_matmul.cpp`: MLX custom primitives computing
+decode-sized quantized matmuls on CPU (see the C++ file for how and why).
+
+MLX 0.32's CPU `mx.quantized_matmul` costs 4-10x an fp32 matmul of the same shape
+and grows linearly with the rows (SPEC section 6); this kernel reads each packed
+weight once for all rows. Built at first use with the system cmake and g++ against
+the installed MLX wheel and nanobind, into the user's cache (~/.cache/mtp-serve,
+keyed by the sources and the versions of MLX, nanobind and Python), like the
+skinny sgemm; `install.sh` builds it ahead (`python3 -m mtp_serve.quantized_matmul`).
+Skipped (MLX's own kernel computes, as before) on CPUs without AVX2/FMA/F16C,
+without cmake/g++/nanobind, off the CPU device, or with MTP_SERVE_NO_QMM=1;
+`status()` says which, once, for the start-up log.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import reduce
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .skinny_gemm import _cache_dir, _cpu_has_avx2_fma
+
+NATIVE = Path(__file__).parent / "native"
+SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "CMakeLists.txt")
+MODULE = "_mtp_qmm"
+SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+log = logging.getLogger("mtp_serve.quantized_matmul")
+
+_EXT: Optional[ModuleType] = None
+_STATUS: Optional[str] = None  # None: not tried yet
+_threads: Optional[int] = None
+
+
+def _key() -> str:
+    import nanobind
+
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(path.read_bytes())
+    h.update(f"{mx.__version__} {nanobind.__version__} {sys.version_info[:2]} {sys.platform}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cmake_args(build: Path) -> list:
+    import nanobind
+
+    import mlx
+
+    mlx_cmake = Path(mlx.__path__[0]) / "share" / "cmake" / "MLX"
+    return ["cmake", "-S", str(NATIVE), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+            f"-DMLX_DIR={mlx_cmake}", f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"]
+
+
+def _build() -> Tuple[Optional[Path], str]:
+    """The built extension's path (building it if needed), or None and why not."""
+    try:
+        import nanobind  # noqa: F401
+    except ImportError:
+        return None, "nanobind is not installed (pip install nanobind)"
+    missing = [tool for tool in ("cmake", "g++") if shutil.which(tool) is None]
+    if missing:
+        return None, f"{' and '.join(missing)} not found (install.sh installs them)"
+    key, last = _key(), ""
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "mtp-serve"):
+        target = folder / f"qmm-{key}" / f"{MODULE}.so"
+        if target.exists():
+            return target, ""
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target.parent / "build.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; the others wait and load it
+                if target.exists():
+                    return target, ""
+                with tempfile.TemporaryDirectory(dir=target.parent) as build:
+                    subprocess.run(_cmake_args(Path(build)), check=True, capture_output=True, timeout=600)
+                    subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1)], check=True,
+                                   capture_output=True, timeout=1200)
+                    built = next(Path(build).glob(f"{MODULE}*.so"))
+                    os.replace(built, target)  # atomic: nobody loads a half-written file
+                return target, ""
+        except subprocess.CalledProcessError as e:
+            tail = (e.stderr or e.stdout or b"").decode(errors="replace").strip().splitlines()[-3:]
+            return None, "build failed: " + " | ".join(tail)
+        except (OSError, subprocess.SubprocessError, StopIteration) as e:
+            last = f"build failed: {type(e).__name__}: {e}"
+            continue
+    return None, last
+
+
+def load() -> Optional[ModuleType]:
+    """The extension (built at first call), or None when it cannot be used here."""
+    global _EXT, _STATUS
+    if _STATUS is not None:
+        return _EXT
+    why = ""
+    if os.environ.get("MTP_SERVE_NO_QMM") == "1":
+        why = "disabled by MTP_SERVE_NO_QMM=1"
+    elif not _cpu_has_avx2_fma():
+        why = "this CPU lacks AVX2/FMA"
+    elif mx.default_device() != mx.cpu:
+        why = "MLX runs on the GPU here"
+    if not why:
+        path, why = _build()
+        if path is not None:
+            try:
+                spec = importlib.util.spec_from_file_location(MODULE, path)
+                ext = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(ext)
+                if ext.cpu_supported():
+                    _EXT = ext
+                    user = os.environ.get("OPENBLAS_NUM_THREADS", "")
+                    ext.set_threads(_threads or (int(user) if user.isdigit() else os.cpu_count() or 1))
+                else:
+                    why = "this CPU lacks AVX2/FMA/F16C"
+            except (ImportError, OSError) as e:
+                why = f"cannot load {path}: {e}"
+    if _EXT is not None:
+        _STATUS = "quantized decode matmuls (up to 64 rows): mtp-serve's kernel"
+    else:
+        _STATUS = f"quantized matmuls: MLX's kernel (mtp-serve's decode kernel off: {why})"
+        log.warning("%s", _STATUS)
+    return _EXT
+
+
+def status() -> str:
+    """One line for start-up logs (loads the extension if not tried yet)."""
+    load()
+    return _STATUS or ""
+
+
+def active() -> bool:
+    return _EXT is not None
+
+
+def set_threads(n: int) -> None:
+    """Threads for the kernel (the same knob as the skinny sgemm's: backend.set_blas_threads)."""
+    global _threads
+    _threads = n
+    if _EXT is not None:
+        _EXT.set_threads(n)
+
+
+def calls() -> int:
+    """Products the kernel has computed in this process (tests check it is on the path)."""
+    return _EXT.calls() if _EXT is not None else 0
+
+
+def supports(bits: int, group_size: int, mode: str, K: int, scales_dtype: mx.Dtype) -> bool:
+    """The kernel can compute this layer's products (when loaded)."""
+    return (
+        _EXT is not None
+        and mode == "affine"
+        and bits in SUPPORTED_BITS
+        and group_size in SUPPORTED_GROUP_SIZES
+        and K % (8 * 32 // bits) == 0
+        and K % group_size == 0
+        and scales_dtype in (mx.float32, mx.bfloat16, mx.float16)
+    )
+
+
+def _rows(shape) -> int:
+    return reduce(lambda a, b: a * b, shape, 1)
+
+
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` on the kernel: x [..., K]."""
+    K = x.shape[-1]
+    rows = _rows(x.shape[:-1])
+    xf = x.reshape(rows, K)
+    if xf.dtype != mx.float32:
+        xf = xf.astype(mx.float32)
+    y = _EXT.qmm_rows(xf, w, scales, biases, group_size, bits)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
+
+
+def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, indices: mx.array,
+               group_size: int, bits: int) -> mx.array:
+    """`mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...)` on the kernel:
+    x [..., M, K], w [E, N, K*bits/32], indices broadcastable with x's batch dimensions."""
+    *xbatch, M, K = x.shape
+    batch = tuple(_broadcast_shapes(tuple(xbatch), tuple(indices.shape)))
+    pairs = _rows(batch)
+    xb = mx.broadcast_to(x, (*batch, M, K)).reshape(pairs * M, K)
+    if xb.dtype != mx.float32:
+        xb = xb.astype(mx.float32)
+    ib = mx.broadcast_to(indices, batch).reshape(pairs)
+    y = _EXT.gather_qmm_rows(xb, w, scales, biases, ib, M, group_size, bits)
+    y = y.reshape(*batch, M, w.shape[1])
+    return y if x.dtype == mx.float32 else y.astype(x.dtype)
+
+
+def _broadcast_shapes(a: tuple, b: tuple) -> list:
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for p, q in zip(a, b):
+        if p != q and 1 not in (p, q):
+            raise ValueError(f"gather_qmm: shapes {a} and {b} do not broadcast")
+        out.append(max(p, q))
+    return out
+
+
+if __name__ == "__main__":  # install.sh: build ahead of the first start
+    import mtp_serve  # noqa: F401  (backend set-up first, as at run time)
+
+    print(status())
+    sys.exit(0 if active() else 1)
