@@ -42,7 +42,7 @@ def measure_costs(model, *, context: int = 128, reps: int = 5, Ts=(1, 2, 3, 4, 5
     """Median seconds of: a plain T=1 step, a T-token verify (capture on) and its commit, one draft step,
     and the model's LM head alone over T rows (and at `full_vocab` as a plain matmul)."""
     V = model.vocab_size
-    H = model.inner.embed_tokens.weight.shape[1]
+    H = model.text.args.hidden_size  # (not the embedding's width: packed when quantized)
     key = mx.random.key(seed)
     cache, head_cache = model.make_cache(), model.make_head_cache()
     prompt = mx.random.randint(0, V, (1, context), key=key)

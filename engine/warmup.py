@@ -5,15 +5,18 @@ and measure how decode-sized matmuls should run for this model (threads, skinny 
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mtp_serve import skinny_gemm
+from mtp_serve import quantized_matmul, skinny_gemm
 from mtp_serve.backend import blas_threads_adjustable, set_decode_blas_threads
 from mtp_serve.models.mtp_model import MTPModel
+from mtp_serve.models.quantized_layers import KERNEL_LAYERS
 
 from .batch import Batch
 from .prefill import prefill
@@ -54,6 +57,9 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     model whose round takes longer than `slow_step_s` is bandwidth-bound and keeps
     every core and the skinny sgemm without measuring (it streams weights ~2x faster
     there: README, "Decode matmuls").
+    Quantized layers on mtp-serve's kernel (`quantized_matmul.py`) share the thread count;
+    a model with such layers is timed whatever its step takes: that kernel unpacks
+    weights in arithmetic, so one thread can beat two on a busy machine.
     Returns the thread choice (None: every core); `skinny_gemm.enabled()` tells the other."""
     depth = depth if model.has_mtp else 0
     batch = Batch()
@@ -63,7 +69,11 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     choices = [(n, skinny) for skinny in skinny_options for n in ((1, None) if blas_threads_adjustable() else (None,))]
     t0 = time.perf_counter()
     step()
-    if time.perf_counter() - t0 > slow_step_s:
+    first = time.perf_counter() - t0
+    quantized = _has_kernel_quantized_layers(model)
+    if quantized:  # the quantized kernel is partly compute-bound: time its thread counts, in ~2 s per choice
+        steps = max(1, min(steps, int(2.0 / (rounds * max(first, 1e-3)))))
+    if first > slow_step_s and not quantized:
         choice = (None, skinny_options[0])
     elif len(choices) == 1:
         choice = choices[0]
@@ -82,10 +92,28 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     return choice[0]
 
 
+def kernel_cache_files() -> int:
+    """Fused CPU kernels in MLX's on-disk cache ($TMPDIR/mlx/<version>/cpu), for start-up logs:
+    how many a warm-up had to compile. 0 when the folder is not there (other backends)."""
+    folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    try:
+        return sum(1 for f in folder.iterdir() if f.suffix == ".so")
+    except OSError:
+        return 0
+
+
 def decode_matmuls_note(threads: Optional[int]) -> str:
     """The calibrated choice, for start-up logs and benchmark headers."""
     how = "OpenBLAS, mtp-serve's skinny sgemm for weights of 4 MB or more" if skinny_gemm.enabled() else "OpenBLAS"
+    if quantized_matmul.active():
+        how += "; quantized weights: mtp-serve's kernel"
     return f"decode matmuls: {how} on {threads or 'all'} thread(s)"
+
+
+def _has_kernel_quantized_layers(model: MTPModel) -> bool:
+    """Whether the model's quantized layers run on mtp-serve's quantized kernel."""
+    modules = [model.model] + ([model.head] if model.has_mtp else [])
+    return quantized_matmul.active() and any(type(m) in KERNEL_LAYERS for root in modules for _, m in root.named_modules())
 
 
 def _has_skinny_sized_weights(model: MTPModel) -> bool:

@@ -81,6 +81,8 @@ _SWAPS = (
     (QuantizedSwitchLinear, DecodeQuantizedSwitchLinear),
 )
 
+KERNEL_LAYERS = tuple(sub for _, sub in _SWAPS)
+
 
 def install_decode_qmm(modules: Iterable[nn.Module]) -> int:
     """Switch the quantized layers under `modules` to the kernel's subclasses (when the

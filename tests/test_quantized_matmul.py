@@ -31,7 +31,7 @@ from mtp_serve.testing.synthetic import FAMILIES
 
 REL_TOL = 2e-5
 
-pytestmark = pytest.mark.skipif(qmm_ext.load() is None, reason=f"kernel unavailable: {qmm_ext.status()}")
+needs_kernel = pytest.mark.skipif(qmm_ext.load() is None, reason=f"kernel unavailable: {qmm_ext.status()}")
 
 
 def _quantized(N, K, bits, gs, dtype, seed=0, experts=None):
@@ -46,6 +46,7 @@ def _close(ours, ref):
     assert err <= REL_TOL * mx.abs(ref).max().item(), f"max error {err:.3g} vs max |ref| {mx.abs(ref).max().item():.3g}"
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_kernel_matches_mlx(bits, gs):
@@ -60,6 +61,7 @@ def test_kernel_matches_mlx(bits, gs):
             _close(qmm_ext.qmm(x, w, s, b, gs, bits), ref)
 
 
+@needs_kernel
 def test_x_dtypes_and_batch_shapes():
     w, s, b = _quantized(64, 256, 4, 64, mx.float32)
     for dtype in (mx.bfloat16, mx.float16):
@@ -70,6 +72,7 @@ def test_x_dtypes_and_batch_shapes():
         assert mx.allclose(y.astype(mx.float32), ref, atol=3e-2 * mx.abs(ref).max().item()).item()
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (8, 128), (2, 64)])
 def test_rows_bit_identical_across_row_counts(bits, gs):
     w, s, b = _quantized(96, 512, bits, gs, mx.float32, seed=3)
@@ -80,6 +83,7 @@ def test_rows_bit_identical_across_row_counts(bits, gs):
         assert mx.array_equal(together, alone[:M]).item(), f"M={M}"
 
 
+@needs_kernel
 def test_threads_give_the_same_bits():
     w, s, b = _quantized(4096, 1024, 4, 64, mx.float32, seed=5)  # large enough to split over threads
     x = mx.random.normal((4, 1024))
@@ -94,6 +98,7 @@ def test_threads_give_the_same_bits():
         qmm_ext.set_threads(before)
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32)])
 def test_gathered_experts_match_gather_qmm(bits, gs):
     E, N, K, k = 6, 80, 256, 2
@@ -116,6 +121,7 @@ def test_gathered_experts_match_gather_qmm(bits, gs):
                               qmm_ext.qmm(xs[p], w[e], s[e], b[e], gs, bits)).item()
 
 
+@needs_kernel
 def test_layers_switch_and_run_inside_compile():
     lin = nn.QuantizedLinear(256, 96, bias=True, group_size=64, bits=4)
     emb = nn.QuantizedEmbedding(200, 128, group_size=64, bits=8)
@@ -208,6 +214,7 @@ def _batched(lm, prompts, depth):
     return [out[i] for i in range(len(prompts))]
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_mtp_identical_to_plain_quantized(family, bits, quantized):
@@ -239,6 +246,7 @@ def _mlx_lm_greedy(path, prompt, bits, gs):
     return toks, gaps
 
 
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_6_moe"])
 def test_plain_agrees_with_mlx_lm_on_the_same_quantized_model(family, bits, quantized, checkpoint_dir):
@@ -255,3 +263,29 @@ def test_plain_agrees_with_mlx_lm_on_the_same_quantized_model(family, bits, quan
         agree += len(ref) if first is None else first
         total += len(ref)
     print(f"{family} {bits}-bit: {agree}/{total} tokens agree with mlx-lm's greedy output")
+
+
+@needs_kernel
+def test_loading_a_quantized_checkpoint_switches_its_layers(stock_converted, checkpoint_dir):
+    """`mlx_lm convert -q`'s output, loaded: its quantized layers run on the kernel."""
+    from mtp_serve.models.loader import load_model
+
+    lm = load_model(str(stock_converted(checkpoint_dir("qwen3_5", agreeable=True), True)))
+    kinds = {type(m) for _, m in lm.model.model.named_modules()}
+    assert DecodeQuantizedLinear in kinds and nn.QuantizedLinear not in kinds
+    calls = qmm_ext.calls()
+    assert len(_greedy(lm, PROMPTS[0], 0)[0]) == N_TOKENS
+    assert qmm_ext.calls() > calls
+
+
+@needs_kernel
+def test_calibration_times_quantized_models(quantized):
+    from mtp_serve.backend import set_decode_blas_threads
+    from mtp_serve.engine.warmup import calibrate_blas_threads, decode_matmuls_note
+
+    lm = quantized("qwen3_5", 4)
+    try:
+        threads = calibrate_blas_threads(lm.model, lm.tokenizer, 2, steps=2, rounds=1)
+        assert "quantized weights: mtp-serve's kernel" in decode_matmuls_note(threads)
+    finally:
+        set_decode_blas_threads(None)

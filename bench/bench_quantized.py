@@ -1,0 +1,178 @@
+"""Quantized models at real shapes: plain decode against mlx-lm, verify and draft costs,
+MTP at a known acceptance, and bytes per step against the memory bandwidth.
+
+    python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
+                                    [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8]
+
+Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
+248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
+to fit this machine (hidden 2048, experts of 512 with 8 routed and one shared, as the
+real model; 10 of its 40 layers and 64 of its 256 experts), quantized as `mlx_lm
+convert -q` does (group size 64) at 4 and 8 bits. Per row:
+- plain decode tok/s with mtp-serve's kernel, and mlx-lm's own `generate_step` on the
+  same quantized model (MLX's kernels), and their ratio;
+- the verify window T=2..5 and one draft, in plain steps (`cost_model.measure_costs`);
+- MTP with a benchmark-only oracle at acceptance a (bench_acceptance_speed's), depths
+  1-4, against plain, beside the limit E / (verify(K+1) + K draft);
+- bytes one plain step reads (weights; a MoE layer's routed and shared experts only)
+  over its time, against the stream bandwidth measured here (an fp32 matvec over 512 MB).
+Each row runs a few minutes on 2 cores; pick rows with --rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+from common import median_seconds, pc  # noqa: I001  (first: backend set-up before mlx.core)
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from bench_acceptance_speed import SHAPES, Tok, decode, oracle_drafts
+from cost_model import QWEN35_VOCAB, cost_ratios, measure_costs
+from mtp_serve import BACKEND
+from mtp_serve import quantized_matmul as qmm_ext
+from mtp_serve.engine.warmup import calibrate_blas_threads
+from mtp_serve.models.quantized_layers import install_decode_qmm, use_kernel
+from mtp_serve.testing.quantized import quantize_head, quantize_mlx_lm_model
+
+GROUP_SIZE = 64
+A3B = dict(hidden_size=2048, num_hidden_layers=10, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+           shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True, intermediate_size=512,
+           linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+           num_attention_heads=16, num_key_value_heads=2, head_dim=256, full_attention_interval=4,
+           vocab_size=QWEN35_VOCAB, tie_word_embeddings=False,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10]})
+
+
+def quantized_model(shape: str, bits: int):
+    """A random MTPModel of `shape`, body and head quantized (never materialized in fp32 whole)."""
+    from mtp_serve.models.gdn import install_capturing_gdn
+    from mtp_serve.models.model_card import load_card
+    from mtp_serve.models.mtp_model import MTPModel
+    from mtp_serve.testing.synthetic import build_random, tiny_text_config
+
+    family = "qwen3_5_moe" if shape == "a3b" else "qwen3_5"
+    text = tiny_text_config(family, **(A3B if shape == "a3b" else SHAPES[shape](QWEN35_VOCAB)))
+    model, head, _ = build_random(family, text)
+    quantize_mlx_lm_model(model, bits, GROUP_SIZE)
+    quantize_head(head, bits, GROUP_SIZE)
+    for layer in model.language_model.model.layers:  # one layer at a time: its fp32 weights are freed as it goes
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters(), head.parameters())
+    install_capturing_gdn(model.language_model.model.layers)
+    model.eval()
+    head.eval()
+    mtp = MTPModel(model, model.language_model, head, load_card(family), family)
+    assert install_decode_qmm([model, head]) > 0, qmm_ext.status()
+    return mtp, text
+
+
+def bytes_per_step(model, text: dict) -> int:
+    """Weight bytes one plain decode step reads: all but the embedding table (one row), plus the
+    tied LM head, and of each MoE layer only its routed share of the experts."""
+    total = 0
+    for name, v in tree_flatten(model.model.parameters()):
+        if "embed_tokens" in name and text.get("tie_word_embeddings"):
+            total += v.nbytes  # read whole as the LM head
+        elif "embed_tokens" in name:
+            total += v.nbytes // v.shape[0]
+        elif "switch_mlp" in name:
+            total += v.nbytes * text["num_experts_per_tok"] // text["num_experts"]
+        else:
+            total += v.nbytes
+    return total
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s of an fp32 matvec over 512 MB (the skinny sgemm's streaming speed)."""
+    W = mx.random.normal((65536, 2048))
+    x = mx.random.normal((1, 2048))
+    mx.eval(W, x)
+    s = median_seconds(lambda: mx.eval(x @ W.T), 5)
+    del W
+    return 65536 * 2048 * 4 / s
+
+
+def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
+    """mlx-lm's own greedy decoding on the same quantized model, MLX's kernels."""
+    from mlx_lm.generate import generate_step
+
+    with use_kernel([lm.model.model, lm.model.head], False):
+        first = last = None
+        for (tok, _), i in zip(generate_step(mx.array(prompt), lm.model.model, max_tokens=n), range(n)):
+            mx.eval(tok)
+            last = pc()
+            first = first or last
+    return (n - 1) / (last - first)
+
+
+def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
+    t0 = pc()
+    model, text = quantized_model(shape, bits)
+    lm = type("LM", (), {"model": model, "tokenizer": Tok()})()
+    calibrate_blas_threads(model, lm.tokenizer)
+    prompt = mx.random.randint(0, QWEN35_VOCAB, (32,), key=mx.random.key(1)).tolist()
+    print(f"[{shape} {bits}-bit] built in {pc() - t0:.0f}s", flush=True)
+    costs = cost_ratios(measure_costs(model, context=32, reps=3))
+    reference, plain, _ = decode(lm, prompt, args.tokens + 8, 0)
+    ref_tok_s = mlx_lm_tok_s(lm, prompt, args.mlx_lm_tokens)
+    for K in args.depths:  # trace every depth's shapes (compiled steps, MLX's fused kernels) before timing
+        decode(lm, prompt, 12, K)
+    row = dict(shape=shape, bits=bits, step_ms=costs["step_ms"], verify=costs["verify"], draft=costs["draft"],
+               bytes=bytes_per_step(model, text), mlx_lm=ref_tok_s, mtp={})
+    plain_runs = [plain]
+    with oracle_drafts(reference, args.acceptance, QWEN35_VOCAB):
+        for K in args.depths:
+            toks, tok_s, tpr = decode(lm, prompt, args.tokens, K)
+            assert toks == reference[: len(toks)], "MTP changed the output"
+            plain_runs.append(decode(lm, prompt, args.tokens, 0)[1])  # alternate: load drift hits both
+            E = sum(args.acceptance**j for j in range(K + 1))
+            row["mtp"][K] = dict(tok_s=tok_s, per_round=tpr, limit=E / (costs["verify"][K + 1] + K * costs["draft"]))
+    row["plain"] = max(plain_runs)
+    row["bandwidth_share"] = row["bytes"] * row["plain"] / bandwidth
+    print(f"[{shape} {bits}-bit] plain {row['plain']:.2f} tok/s, mlx-lm {ref_tok_s:.2f} "
+          f"({row['plain'] / ref_tok_s:.1f}x); verify T=4 {costs['verify'][4]:.2f}, draft {costs['draft']:.3f} steps; "
+          + ", ".join(f"K{K} {m['tok_s'] / row['plain']:.2f}x (limit {m['limit']:.2f}x)" for K, m in row["mtp"].items())
+          + f"; {row['bytes'] / 1e6:.0f} MB/step at {row['bandwidth_share']:.2f} of bandwidth "
+          f"({pc() - t0:.0f}s)", flush=True)
+    del model, lm
+    gc.collect()
+    mx.clear_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", default=["0.8b:4", "0.8b:8", "2b:4", "2b:8", "4b:4", "4b:8", "a3b:4", "a3b:8"])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--mlx-lm-tokens", type=int, default=6, help="mlx-lm is slow on quantized models on CPU")
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--acceptance", type=float, default=0.8)
+    args = ap.parse_args()
+    print(BACKEND.note)
+    print(qmm_ext.status())
+    bandwidth = stream_bandwidth()
+    print(f"stream bandwidth (fp32 matvec over 512 MB): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    rows = []
+    for spec in args.rows:
+        shape, bits = spec.split(":")
+        rows.append(run_row(shape, int(bits), args, bandwidth))
+    Ks = args.depths
+    print(f"\n| shape | bits | plain tok/s | mlx-lm tok/s | x mlx-lm | verify T=2/3/4/5 (steps) | draft (steps) | "
+          + " | ".join(f"MTP K={K} x plain (limit)" for K in Ks) + " | MB/step | GB/s | of bandwidth |")
+    print("|" + "---|" * (10 + len(Ks)))
+    for r in rows:
+        v = "/".join(f"{r['verify'][T]:.2f}" for T in (2, 3, 4, 5))
+        mtp = " | ".join(f"{r['mtp'][K]['tok_s'] / r['plain']:.2f}x ({r['mtp'][K]['limit']:.2f}x)" for K in Ks)
+        print(f"| {r['shape']} | {r['bits']} | {r['plain']:.2f} | {r['mlx_lm']:.2f} | {r['plain'] / r['mlx_lm']:.1f}x | {v} | "
+              f"{r['draft']:.3f} | {mtp} | {r['bytes'] / 1e6:.0f} | {r['bytes'] * r['plain'] / 1e9:.1f} | "
+              f"{r['bandwidth_share']:.2f} |")
+    print(f"acceptance a = {args.acceptance} (oracle); limit: E[tokens per round] / (verify(K+1) + K * draft); "
+          f"bandwidth {bandwidth / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
