@@ -31,7 +31,7 @@ from llguidance import regex_to_lark
 
 from mtp_serve.engine.grammar import ANY_JSON_OBJECT, Constraint
 from mtp_serve.server.errors import bad_request
-from mtp_serve.server.schema_relax import ANNOTATIONS, ServedSchema, serve_schema
+from mtp_serve.server.schema_relax import ANNOTATIONS, ServedSchema, resolve_ref, serve_schema
 
 THINK_CLOSE = "</think>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -174,7 +174,7 @@ def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bo
         schema = s.schema
         if parser == "hermes":
             call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                    "properties": {"name": {"const": fn["name"]}, "arguments": schema}}
+                    "properties": {"name": {"const": fn["name"]}, "arguments": schema}, **_definitions(schema)}
             rules.append(f'call_{i}: {open_} "\\n" %json {json.dumps(call)} "\\n" {close}')
         else:
             rules += _xml_call(i, fn["name"], schema, open_, close)
@@ -204,17 +204,35 @@ def _xml_call(i: int, name: str, schema: dict, open_: str, close: str) -> List[s
     required = set(schema.get("required") or ())
     params, rules = [], []
     for j, (arg, sub) in enumerate(props.items()):
-        value, extra = _xml_value(f"v_{i}_{j}", sub if isinstance(sub, dict) else {})
+        sub = _inline_ref(sub, schema) if isinstance(sub, dict) else {}
+        value, extra = _xml_value(f"v_{i}_{j}", sub, _definitions(schema))
         rules += [f"p_{i}_{j}: {json.dumps(f'<parameter={arg}>' + chr(10))} {value}"] + extra
         params.append(f"p_{i}_{j}" + ("" if arg in required else "?"))
     header = json.dumps(f"\n<function={name}>\n")
     return [f'call_{i}: {open_} {header} {" ".join(params)} "</function>\\n" {close}'] + rules
 
 
-def _xml_value(rule: str, sub: dict):
+def _definitions(schema: dict) -> dict:
+    """The parameters' `$defs` / `definitions`: an embedded schema (`%json`) is its own document,
+    so local references resolve only when they travel with it."""
+    return {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+
+
+def _inline_ref(sub: dict, schema: dict) -> dict:
+    """A parameter that is only a local reference (pydantic writes them): its target."""
+    if isinstance(sub.get("$ref"), str) and not set(sub) - {"$ref", *ANNOTATIONS}:
+        target = resolve_ref(sub, schema)
+        return target if isinstance(target, dict) and target is not sub else sub
+    return sub
+
+
+def _xml_value(rule: str, sub: dict, defs: Optional[dict] = None):
     """A parameter's value and its closing tag: strings as raw text (the parser keeps them
-    as written), enums and patterns of strings exactly, everything else as JSON."""
+    as written), enums and patterns of strings exactly, everything else as JSON (with the
+    parameters' definitions when it refers to them)."""
     if sub.get("type") != "string":
+        if defs and '"$ref"' in json.dumps(sub):
+            sub = {**defs, **sub}
         return f"%json {json.dumps(sub)} {PARAM_END}", []
     options = sub.get("enum", [sub["const"]] if "const" in sub else None)
     if options is not None and all(isinstance(o, str) for o in options):

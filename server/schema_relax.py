@@ -130,7 +130,9 @@ def walk(node: Any, path: Tuple = ()) -> Iterator[Tuple[dict, Tuple]]:
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 
 
-def _resolve(node: Any, root: dict, depth: int = 0) -> Any:
+def resolve_ref(node: Any, root: dict, depth: int = 0) -> Any:
+    """The subschema a local `$ref` (`#/...`) points to, followed through chains; `node` itself
+    when it is no reference or points nowhere."""
     while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") and depth < 16:
         target: Any = root
         for part in node["$ref"][1:].split("/")[1:]:
@@ -179,7 +181,7 @@ def _overlap_types(a: set, b: set) -> bool:
 
 def disjoint(a: Any, b: Any, root: dict, depth: int = 0) -> bool:
     """True when no JSON value can match both schemas (a sound check: False when unsure)."""
-    a, b = _resolve(a, root), _resolve(b, root)
+    a, b = resolve_ref(a, root), resolve_ref(b, root)
     if a is False or b is False:
         return True
     if not isinstance(a, dict) or not isinstance(b, dict) or depth > 4:
@@ -290,7 +292,7 @@ class _Rewrite:
         conds = [c for c in [node] + list(node.get("allOf") or []) if isinstance(c, dict) and "if" in c]
         keys = {_discriminator(c) for c in conds}
         key = keys.pop() if len(keys) == 1 else None
-        domain = _domain(_resolve((node.get("properties") or {}).get(key, {}), self.root)) if key else None
+        domain = _domain(resolve_ref((node.get("properties") or {}).get(key, {}), self.root)) if key else None
         if not conds or key is None or not domain or len(domain) > MAX_VALUES or any(
                 set(c) - {"if", "then", "else", *ANNOTATIONS} for c in conds if c is not node):
             return

@@ -77,13 +77,28 @@ def schema_types(schema: Any) -> list[str]:
     return list(dict.fromkeys(types))
 
 
+def _local_ref(schema: Any, root: dict) -> Any:
+    """The target of a local `$ref` (`#/$defs/Model`, as pydantic writes nested models); else `schema`."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return schema
+    target: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return schema
+        target = target[part]
+    return target
+
+
 def param_types(schemas: dict[str, dict] | None, function: str, param: str) -> list[str]:
     if not schemas:
         return []
-    props = (schemas.get(function) or {}).get("properties")
+    root = schemas.get(function) or {}
+    props = root.get("properties")
     if not isinstance(props, dict):
         return []
-    return schema_types(props.get(param))
+    return schema_types(_local_ref(props.get(param), root))
 
 
 _FAIL = object()
