@@ -360,6 +360,8 @@ class Leader:
 class DistributedEngine(EngineLoop):
     """The engine loop of rank 0 when serving across ranks."""
 
+    jobs_supported = False  # a forward pass on rank 0 alone: the other ranks would not take part
+
     def __init__(self, model, tokenizer, *, link: Link, mode: str, rank_timeout: float = 60.0,
                  on_fatal: Optional[Callable[[BaseException], None]] = None, **engine_options):
         if engine_options.get("prompt_cache") is not None:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 from .memory import release_idle_memory
 from .policy import DepthPolicy
@@ -55,6 +55,18 @@ class EngineError(RuntimeError):
 
 
 _DONE = object()
+
+
+@dataclass(eq=False)
+class Job:
+    """Work for the engine thread beside the requests (e.g. scoring a prompt): a generator the
+    loop advances one step per turn, so a long one never holds the running rows for long. Its
+    return value (StopIteration.value) resolves `future`."""
+
+    make_steps: Callable[[], Iterator]  # called on the engine thread: MLX work stays there
+    future: asyncio.Future
+    _loop: asyncio.AbstractEventLoop
+    steps: Optional[Iterator] = None
 
 
 @dataclass(eq=False)
@@ -110,6 +122,7 @@ class EngineLoop:
                                    prompt_cache=prompt_cache, policy=policy)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
+        self._jobs: Deque[Job] = deque()
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._thread: Optional[threading.Thread] = None
@@ -133,6 +146,22 @@ class EngineLoop:
             self._waiting.append(handle)
             self._cond.notify()
         return handle
+
+    jobs_supported = True  # False where a job on this thread alone would desync other ranks
+
+    def run_job(self, make_steps: Callable[[], Iterator]) -> asyncio.Future:
+        """Run `make_steps()` (a generator) on the engine thread between turns; from the event loop.
+        Cancelling the returned future drops the job at its next step."""
+        loop = asyncio.get_running_loop()
+        job = Job(make_steps, loop.create_future(), loop)
+        with self._cond:
+            if not self._running:
+                raise EngineStopped("the engine is not running")
+            if self._queued() + len(self._jobs) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting for a slot)")
+            self._jobs.append(job)
+            self._cond.notify()
+        return job.future
 
     def check_constraint(self, constraint) -> None:
         """Compile an output constraint (GrammarError when it cannot be); from any thread."""
@@ -193,20 +222,25 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                idle = self._running and not self._waiting and not self._active
+                idle = self._running and not self._waiting and not self._active and not self._jobs
             if idle and self.turns != self._idle_after:
                 release_idle_memory()  # a burst is over: its buffers go back to the OS
                 self._idle_after = self.turns
             with self._cond:
-                while self._running and not self._waiting and not self._active:
+                while self._running and not self._waiting and not self._active and not self._jobs:
                     self._cond.wait()
                 if not self._running:
                     pending = list(self._waiting) + list(self._active.values())
+                    jobs = list(self._jobs)
                     self._waiting.clear()
                     self._active.clear()
+                    self._jobs.clear()
                     for h in pending:
                         self._finish(h, EngineStopped("the server is shutting down"))
+                    for job in jobs:
+                        self._settle(job, error=EngineStopped("the server is shutting down"))
                     return
+                job = self._jobs[0] if self._jobs else None
                 cancelled = [h for h in self._active.values() if h.cancelled]
                 admitted = []
                 while self._waiting and len(self._active) - len(cancelled) + len(admitted) < self.max_active:
@@ -216,6 +250,8 @@ class EngineLoop:
                 self._retire(handle, None)
             for handle in admitted:
                 self._admit(handle)
+            if job is not None:
+                self._step_job(job)
             self._turn()
             self.turns += 1
 
@@ -250,6 +286,34 @@ class EngineLoop:
             self.scheduler.drop_all()
             for handle in list(self._active.values()):
                 self._retire(handle, EngineError(f"{type(e).__name__}: {e}"))
+
+    def _step_job(self, job: Job) -> None:
+        """One step of the oldest job; settled (and dropped) when it returns, fails or was cancelled."""
+        try:
+            if job.future.cancelled():
+                raise StopIteration
+            if job.steps is None:
+                job.steps = job.make_steps()
+            next(job.steps)
+            return
+        except StopIteration as done:
+            self._settle(job, value=done.value)
+        except Exception as e:  # noqa: BLE001 - reported to the job's caller, the loop goes on
+            log.warning("engine job failed: %s: %s", type(e).__name__, e)
+            self._settle(job, error=EngineError(f"{type(e).__name__}: {e}"))
+        with self._cond:
+            self._jobs.remove(job)
+
+    @staticmethod
+    def _settle(job: Job, value: Any = None, error: Optional[BaseException] = None) -> None:
+        def settle():
+            if not job.future.done():
+                job.future.set_exception(error) if error is not None else job.future.set_result(value)
+
+        try:
+            job._loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the event loop is closed: nobody is waiting
+            pass
 
     def _retire(self, handle: RequestHandle, error: Optional[BaseException]) -> None:
         with self._cond:

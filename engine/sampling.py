@@ -168,7 +168,9 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0 < params.top_k < vocab:
         logprobs = apply_top_k(logprobs, params.top_k)
     if params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
+        # As an array, not a float: mx.compile bakes float arguments into the kernel it builds,
+        # so every top_p value a client sends would compile (seconds on g++) a kernel of its own.
+        logprobs = apply_top_p(logprobs, mx.array(params.top_p, mx.float32))
     if params.min_p > 0:
         logprobs = apply_min_p(logprobs, params.min_p)
     return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)

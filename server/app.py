@@ -11,6 +11,7 @@ is read), the body's size (`limits.py`), then the request limits
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -23,6 +24,9 @@ from mtp_serve.server.errors import error_body, install_error_handlers
 from mtp_serve.server.limits import BodyLimitMiddleware, check_request
 from mtp_serve.server.openapi import install_openapi
 from mtp_serve.server.service import ServerConfig, Service
+from mtp_serve.server.warmup import warm_up
+
+log = logging.getLogger("mtp_serve")
 
 
 def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastAPI:
@@ -33,6 +37,12 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.engine.start()
+        if config.warm_up:  # /health answers only after it: the first request then runs warm
+            try:
+                report = await warm_up(svc)
+                log.info(report.line())
+            except Exception as e:  # noqa: BLE001 - not fatal: the first requests pay instead
+                log.warning("warm-up through the engine failed (%s: %s); serving anyway", type(e).__name__, e)
         try:
             yield
         finally:

@@ -13,6 +13,7 @@ from typing import List
 
 from fastapi import APIRouter, Request
 
+from mtp_serve.engine import scoring
 from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
 from mtp_serve.server import structured
@@ -125,23 +126,52 @@ async def completions(req: CompletionRequest, request: Request):
     constraint = constraints.requested(req, schema_mode(svc, req))
     if constraint is not None:
         await svc.run_cpu(svc.check_constraint, constraint)
+    rid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
+    echo = svc.tokenizer.decode(ids) if req.echo else ""
+    # echo with logprobs: the prompt's own log-probabilities first (eval harnesses' loglikelihood)
+    scored = await prompt_logprobs(svc, ids, req.logprobs) if req.echo and req.logprobs is not None else None
+    if req.max_tokens == 0:  # nothing to generate: the prompt (and its scores) alone
+        svc.check_context(len(ids), "prompt")
+        svc.metrics.request(request.scope, 200)
+        if req.stream:
+            return openai_stream(svc, scored_stream(rid, created, model, echo, scored, len(ids), include_usage(req)), request.scope)
+        return fmt.completion_body(rid, created, model, echo, "length", scored, fmt.usage(None, len(ids)))
     sampling = Sampling.of(req, stop=req.stop_list)
     gen = svc.generation(ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids)), sampling, started=started, prompt_param="prompt")
     handle = svc.submit(gen)
-    rid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
-    echo = svc.tokenizer.decode(ids) if req.echo else ""
     if req.stream:
-        events = completion_stream(svc, gen, handle, request, rid, created, include_usage(req), echo)
+        events = completion_stream(svc, gen, handle, request, rid, created, include_usage(req), echo, scored)
         return openai_stream(svc, events, request.scope)
     done = await complete(svc, gen, handle, request)
     svc.metrics.request(request.scope, 200)
     logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
     report = structured.output_report(constraint, done.text, [], done.finish_reason)
-    return structured.respond(fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, logprobs,
+    return structured.respond(fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason,
+                                                  fmt.joined_logprobs(scored, logprobs),
                                                   {**fmt.usage(done.stats, len(ids)), **gen.budget_note}), report)
 
 
-async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str):
+async def prompt_logprobs(svc: Service, ids: List[int], top_n: int) -> dict:
+    """The prompt tokens' log-probabilities (a forward pass on the engine thread), as completions report them."""
+    if not svc.engine.jobs_supported:
+        raise bad_request("prompt logprobs (echo with logprobs) are not supported when serving across ranks", "echo")
+    svc.check_context(len(ids), "prompt")
+    lps = await svc.engine_job(lambda: scoring.prompt_logprobs(svc.loaded.model, ids, top_n, svc.config.prefill_chunk))
+    return fmt.prompt_logprobs(ids, lps, svc.token_text)
+
+
+async def scored_stream(rid: str, created: int, model: str, echo: str, scored, n_prompt: int, with_usage: bool):
+    def chunk(text, **kw):
+        return fmt.completion_chunk(rid, created, model, text, include_usage=with_usage, **kw)
+
+    yield chunk(echo, logprobs=scored)
+    yield chunk("", finish="length")
+    if with_usage:
+        yield chunk(None, usage_=fmt.usage(None, n_prompt))
+
+
+async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str,
+                            scored=None):
     model = svc.config.served_model_name
 
     def chunk(text, **kw):
@@ -149,7 +179,7 @@ async def completion_stream(svc: Service, gen: Generation, handle, request, rid:
 
     offset = len(echo)
     if echo:
-        yield chunk(echo)
+        yield chunk(echo, logprobs=scored)
     text = []  # for the structured_output report
     async for c in engine_chunks(svc, gen, handle, request, watch_disconnect=False):
         lp = fmt.completion_logprobs(c.logprobs, offset, svc.token_text) if c.logprobs else None

@@ -99,6 +99,29 @@ def completion_chunk(rid: str, created: int, model: str, text: Optional[str], *,
     return sse({**body, **extra})
 
 
+def prompt_logprobs(ids, lps, token_text: Callable[[int], str]) -> dict:
+    """The prompt's tokens as `completion_logprobs` reports them (echo): the first has none."""
+    tokens, offsets, offset = [], [], 0
+    for t in ids:
+        s = token_text(t)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if x is None else x.logprob for x in lps],
+        "top_logprobs": [None if x is None else {token_text(t): lp for t, lp in x.top} for x in lps],
+        "text_offset": offsets,
+    }
+
+
+def joined_logprobs(first: Optional[dict], then: Optional[dict]) -> Optional[dict]:
+    """Two completion logprobs objects, one after the other (the prompt's, then the output's)."""
+    if first is None or then is None:
+        return first or then
+    return {k: first[k] + then[k] for k in first}
+
+
 def completion_logprobs(lps, offset: int, token_text: Callable[[int], str]) -> dict:
     tokens, offsets = [], []
     for x in lps:

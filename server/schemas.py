@@ -140,6 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 with echo and logprobs: score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None

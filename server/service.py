@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
@@ -55,6 +56,7 @@ class ServerConfig:
     special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
     metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
+    warm_up: bool = False  # before serving: requests through the engine (server/warmup.py); mtp-serve turns it on
     json_schema_mode: str = "relaxed"  # --json-schema-mode: "strict" refuses what the grammar cannot enforce (schema_relax.py)
 
 
@@ -105,6 +107,17 @@ class Sampling:
         """From a request object carrying (some of) these fields under the same names."""
         names = [k for k in cls.__dataclass_fields__ if k not in override]
         return cls(**{k: getattr(req, k) for k in names if getattr(req, k, None) is not None}, **override)
+
+
+@contextmanager
+def engine_refusals():
+    """The engine's refusals as HTTP errors: a full queue is a 429, a stopped engine a 503."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
+    except EngineStopped as e:
+        raise APIError(503, str(e), code="engine_stopped", headers={"Retry-After": "5"}) from e
 
 
 class Service:
@@ -217,12 +230,13 @@ class Service:
         return self.submit_ids(gen.prompt.ids, gen.first_params, gen.depth, gen.prompt.checkpoints)
 
     def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
-        try:
+        with engine_refusals():
             return self.engine.submit(ids, params, depth, checkpoints)
-        except QueueFull as e:
-            raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
-        except EngineStopped as e:
-            raise APIError(503, str(e), code="engine_stopped", headers={"Retry-After": "5"}) from e
+
+    async def engine_job(self, make_steps):
+        """Work on the engine thread beside the requests (engine_loop.Job), e.g. scoring a prompt."""
+        with engine_refusals():
+            return await self.engine.run_job(make_steps)
 
     async def run_cpu(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)

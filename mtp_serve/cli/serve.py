@@ -172,6 +172,7 @@ def main(argv=None) -> int:
         special_tokens_in_content=args.allow_special_tokens_in_content,
         json_schema_mode=args.json_schema_mode,
         metrics_without_key=args.metrics_without_key,
+        warm_up=group is None,  # across ranks every rank takes part in the warm-up rounds below instead
     )
     try:
         app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
