@@ -2,20 +2,23 @@
 MTP at a known acceptance, and bytes per step against the memory bandwidth.
 
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
-                                    [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8]
+                                    [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
 248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
 to fit this machine (hidden 2048, experts of 512 with 8 routed and one shared, as the
 real model; 10 of its 40 layers and 64 of its 256 experts), quantized as `mlx_lm
-convert -q` does (group size 64) at 4 and 8 bits. Per row:
+convert -q` does (group size 64) at 4 and 8 bits, the MTP head too (`--fp32-head`: not).
+Per row:
 - plain decode tok/s with mtp-serve's kernel, and mlx-lm's own `generate_step` on the
   same quantized model (MLX's kernels), and their ratio;
 - the verify window T=2..5 and one draft, in plain steps (`cost_model.measure_costs`);
 - MTP with a benchmark-only oracle at acceptance a (bench_acceptance_speed's), depths
   1-4, against plain, beside the limit E / (verify(K+1) + K draft);
 - bytes one plain step reads (weights; a MoE layer's routed and shared experts only)
-  over its time, against the stream bandwidth measured here (an fp32 matvec over 512 MB).
+  over its time, against the stream bandwidth measured here (an fp32 matvec over 512 MB);
+- where a forward's time goes: milliseconds inside the quantized kernel of a T=1 and a
+  T=4 forward (the rest: GatedDeltaNet and attention, norms, dispatch).
 Each row runs a few minutes on 2 cores; pick rows with --rows.
 """
 
@@ -47,8 +50,8 @@ A3B = dict(hidden_size=2048, num_hidden_layers=10, num_experts=64, num_experts_p
                             "mrope_section": [11, 11, 10]})
 
 
-def quantized_model(shape: str, bits: int):
-    """A random MTPModel of `shape`, body and head quantized (never materialized in fp32 whole)."""
+def quantized_model(shape: str, bits: int, quantize_mtp_head: bool = True):
+    """A random MTPModel of `shape`, body (and head) quantized (never materialized in fp32 whole)."""
     from mtp_serve.models.gdn import install_capturing_gdn
     from mtp_serve.models.model_card import load_card
     from mtp_serve.models.mtp_model import MTPModel
@@ -58,7 +61,8 @@ def quantized_model(shape: str, bits: int):
     text = tiny_text_config(family, **(A3B if shape == "a3b" else SHAPES[shape](QWEN35_VOCAB)))
     model, head, _ = build_random(family, text)
     quantize_mlx_lm_model(model, bits, GROUP_SIZE)
-    quantize_head(head, bits, GROUP_SIZE)
+    if quantize_mtp_head:
+        quantize_head(head, bits, GROUP_SIZE)
     for layer in model.language_model.model.layers:  # one layer at a time: its fp32 weights are freed as it goes
         mx.eval(layer.parameters())
     mx.eval(model.parameters(), head.parameters())
@@ -96,6 +100,23 @@ def stream_bandwidth() -> float:
     return 65536 * 2048 * 4 / s
 
 
+def kernel_share(model, T: int, reps: int = 4) -> tuple:
+    """(ms per forward of T tokens, ms of it inside the quantized kernel): where a step's time goes."""
+    cache = model.make_cache()
+    h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
+    mx.eval(h, [c.state for c in cache])
+    wall = kern = 0.0
+    for i in range(reps + 1):
+        x = mx.random.randint(0, 1000, (1, T))
+        mx.eval(x)
+        k0, t0 = qmm_ext.seconds(), pc()
+        h, lg = model.forward(x, cache)
+        mx.eval(h, lg, [c.state for c in cache])
+        if i:  # the first: warm-up
+            wall, kern = wall + pc() - t0, kern + qmm_ext.seconds() - k0
+    return 1e3 * wall / reps, 1e3 * kern / reps
+
+
 def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
     """mlx-lm's own greedy decoding on the same quantized model, MLX's kernels."""
     from mlx_lm.generate import generate_step
@@ -111,7 +132,7 @@ def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
 
 def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
     t0 = pc()
-    model, text = quantized_model(shape, bits)
+    model, text = quantized_model(shape, bits, not args.fp32_head)
     lm = type("LM", (), {"model": model, "tokenizer": Tok()})()
     calibrate_blas_threads(model, lm.tokenizer)
     prompt = mx.random.randint(0, QWEN35_VOCAB, (32,), key=mx.random.key(1)).tolist()
@@ -122,7 +143,8 @@ def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
     for K in args.depths:  # trace every depth's shapes (compiled steps, MLX's fused kernels) before timing
         decode(lm, prompt, 12, K)
     row = dict(shape=shape, bits=bits, step_ms=costs["step_ms"], verify=costs["verify"], draft=costs["draft"],
-               bytes=bytes_per_step(model, text), mlx_lm=ref_tok_s, mtp={})
+               bytes=bytes_per_step(model, text), mlx_lm=ref_tok_s, mtp={},
+               kernel={T: kernel_share(model, T) for T in (1, 4)})
     plain_runs = [plain]
     with oracle_drafts(reference, args.acceptance, QWEN35_VOCAB):
         for K in args.depths:
@@ -130,13 +152,16 @@ def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
             assert toks == reference[: len(toks)], "MTP changed the output"
             plain_runs.append(decode(lm, prompt, args.tokens, 0)[1])  # alternate: load drift hits both
             E = sum(args.acceptance**j for j in range(K + 1))
-            row["mtp"][K] = dict(tok_s=tok_s, per_round=tpr, limit=E / (costs["verify"][K + 1] + K * costs["draft"]))
-    row["plain"] = max(plain_runs)
+            # against the plain run beside it (a busy machine's drift hits the pair alike)
+            row["mtp"][K] = dict(tok_s=tok_s, ratio=tok_s / plain_runs[-1], per_round=tpr,
+                                 limit=E / (costs["verify"][K + 1] + K * costs["draft"]))
+    row["plain"] = sorted(plain_runs)[len(plain_runs) // 2]  # median
     row["bandwidth_share"] = row["bytes"] * row["plain"] / bandwidth
     print(f"[{shape} {bits}-bit] plain {row['plain']:.2f} tok/s, mlx-lm {ref_tok_s:.2f} "
           f"({row['plain'] / ref_tok_s:.1f}x); verify T=4 {costs['verify'][4]:.2f}, draft {costs['draft']:.3f} steps; "
-          + ", ".join(f"K{K} {m['tok_s'] / row['plain']:.2f}x (limit {m['limit']:.2f}x)" for K, m in row["mtp"].items())
-          + f"; {row['bytes'] / 1e6:.0f} MB/step at {row['bandwidth_share']:.2f} of bandwidth "
+          + ", ".join(f"K{K} {m['ratio']:.2f}x (limit {m['limit']:.2f}x)" for K, m in row["mtp"].items())
+          + f"; {row['bytes'] / 1e6:.0f} MB/step at {row['bandwidth_share']:.2f} of bandwidth; kernel "
+          + ", ".join(f"{k:.0f} of {w:.0f} ms at T={T}" for T, (w, k) in row["kernel"].items()) + " "
           f"({pc() - t0:.0f}s)", flush=True)
     del model, lm
     gc.collect()
@@ -151,6 +176,7 @@ def main() -> None:
     ap.add_argument("--mlx-lm-tokens", type=int, default=6, help="mlx-lm is slow on quantized models on CPU")
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--acceptance", type=float, default=0.8)
+    ap.add_argument("--fp32-head", action="store_true", help="keep the MTP head unquantized (mtp-graft's default)")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
@@ -162,15 +188,16 @@ def main() -> None:
         rows.append(run_row(shape, int(bits), args, bandwidth))
     Ks = args.depths
     print(f"\n| shape | bits | plain tok/s | mlx-lm tok/s | x mlx-lm | verify T=2/3/4/5 (steps) | draft (steps) | "
-          + " | ".join(f"MTP K={K} x plain (limit)" for K in Ks) + " | MB/step | GB/s | of bandwidth |")
-    print("|" + "---|" * (10 + len(Ks)))
+          + " | ".join(f"MTP K={K} x plain (limit)" for K in Ks) + " | MB/step | GB/s | of bandwidth | kernel ms of step ms, T=1 | T=4 |")
+    print("|" + "---|" * (12 + len(Ks)))
     for r in rows:
         v = "/".join(f"{r['verify'][T]:.2f}" for T in (2, 3, 4, 5))
-        mtp = " | ".join(f"{r['mtp'][K]['tok_s'] / r['plain']:.2f}x ({r['mtp'][K]['limit']:.2f}x)" for K in Ks)
+        mtp = " | ".join(f"{r['mtp'][K]['ratio']:.2f}x ({r['mtp'][K]['limit']:.2f}x)" for K in Ks)
         print(f"| {r['shape']} | {r['bits']} | {r['plain']:.2f} | {r['mlx_lm']:.2f} | {r['plain'] / r['mlx_lm']:.1f}x | {v} | "
               f"{r['draft']:.3f} | {mtp} | {r['bytes'] / 1e6:.0f} | {r['bytes'] * r['plain'] / 1e9:.1f} | "
-              f"{r['bandwidth_share']:.2f} |")
-    print(f"acceptance a = {args.acceptance} (oracle); limit: E[tokens per round] / (verify(K+1) + K * draft); "
+              f"{r['bandwidth_share']:.2f} | " + " | ".join(f"{k:.0f} / {w:.0f}" for w, k in r["kernel"].values()) + " |")
+    print(f"plain: median of {1 + len(Ks)} runs; MTP K: over the plain run beside it; "
+          f"acceptance a = {args.acceptance} (oracle); limit: E[tokens per round] / (verify(K+1) + K * draft); "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s")
 
 

@@ -159,6 +159,11 @@ def calls() -> int:
     return _EXT.calls() if _EXT is not None else 0
 
 
+def seconds() -> float:
+    """Seconds spent inside the kernel in this process (benchmarks: its share of a step)."""
+    return _EXT.seconds() if _EXT is not None else 0.0
+
+
 def supports(bits: int, group_size: int, mode: str, K: int, scales_dtype: mx.Dtype) -> bool:
     """The kernel can compute this layer's products (when loaded)."""
     return (

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -304,6 +305,7 @@ class Pool {
 Pool& pool = *new Pool;
 long thread_min = 1L << 19;  // weights (elements) below which one thread computes
 std::atomic<long> calls{0};
+std::atomic<long> busy_ns{0};  // time inside the kernel (benchmarks: its share of a step)
 
 // ------------------------------------------------------------------ compute
 
@@ -317,6 +319,7 @@ int scale_type(mx::Dtype d) {
 // tasks: (expert, rows routed to it); every task has N rows of W.
 void compute(const float* x, long xrows, int K, const uint32_t* w, const void* scales, const void* biases, int st,
              long N, int gs, int bits, const std::vector<std::pair<long, std::vector<int>>>& tasks, float* out) {
+  const auto t0 = std::chrono::steady_clock::now();
   Prep prep;
   prep.build(x, xrows, K, gs, bits);
   const SpanFn fn = pick(bits, st, gs);
@@ -344,6 +347,8 @@ void compute(const float* x, long xrows, int K, const uint32_t* w, const void* s
   const int parts = work < thread_min ? 1 : int(std::min<long>(pool.threads(), units / 8 > 0 ? units / 8 : 1));
   pool.run(parts, part);
   calls.fetch_add(1, std::memory_order_relaxed);
+  busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                    std::memory_order_relaxed);
 }
 
 // ------------------------------------------------------------------ primitives
@@ -474,4 +479,5 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("threads", [] { return pool.threads(); });
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
+  m.def("seconds", [] { return busy_ns.load() * 1e-9; });
 }
