@@ -273,6 +273,10 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
         lm.model.use_draft_vocab(ids[:size] if size else None)
     if lm.model.draft_vocab is not None:
         out(f"drafting from the {lm.model.draft_vocab.size} most frequent tokens of {lm.model.vocab_size}")
+    if lm.config.get("quantization") or lm.config.get("text_config", {}).get("quantization"):
+        from mtp_serve import quantized_matmul
+
+        out(quantized_matmul.status())  # as mtp-serve will decode it: its kernel, or why MLX's
     out(f"verifying and tuning MTP on {lm.path} ({BACKEND.note}); {len(PROMPTS)} prompts x {args.tune_tokens} "
         f"tokens x {args.tune_repeats} repeats, modes alternating")
     m = measure(lm, args.max_depth, args.tune_tokens, args.tune_repeats, progress=lambda s: out(f"  {s}"))
