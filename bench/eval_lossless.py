@@ -11,7 +11,7 @@ It serves the demo model twice, `mtp-serve --enable-mtp` and plain `mtp-serve`, 
 against each, and prints the table: scores side by side, and how many per-sample outputs
 (loglikelihoods, generations) are identical. MTP must change nothing.
 
-    pip install lm_eval            # not a test dependency: the benchmark's only
+    pip install "lm_eval[api]"     # not a test dependency: the benchmark's only
     python bench/eval_lossless.py
     python bench/eval_lossless.py --make-tasks   # rebuild the task files from the held-out sources
 """
