@@ -31,6 +31,8 @@ import pytest
 from npm_clients import REPO, failed_requests, metric, npm_bin
 from test_server_support import serve
 
+pytestmark = pytest.mark.agents
+
 README_URL = "http://127.0.0.1:8000"
 DEMO_CONTEXT = 32768
 

@@ -10,8 +10,11 @@ bench/bench_first_start.py holds the tight figures."""
 import time
 
 import httpx
+import pytest
 
 from mtp_serve.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
 
 KINDS = {"greedy": (0.0, False), "sampled": (0.8, False), "greedy streamed": (0.0, True), "sampled streamed": (0.8, True)}
 
