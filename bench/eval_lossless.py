@@ -5,8 +5,8 @@ server) on two small task files shipped in bench/data/eval_tasks/ (no hub downlo
 - `heldout_code_mc`, loglikelihood: which of four lines comes next in held-out Python code
   (the three others are lines from elsewhere in the same file). lm-eval sends each choice with
   `echo: true, logprobs: 1, max_tokens: 1` and reads the prompt tokens' log-probabilities.
-- `heldout_code_line`, greedy generation: complete the next line of held-out code
-  (`until: "\\n"`), exact match against the real line.
+- `heldout_code_line`, greedy generation: complete a line of held-out code from its first words
+  (`until: "\\n"`), exact match against the rest of the real line.
 It serves the demo model twice, `mtp-serve --enable-mtp` and plain `mtp-serve`, runs both tasks
 against each, and prints the table: scores side by side, and how many per-sample outputs
 (loglikelihoods, generations) are identical. MTP must change nothing.
@@ -54,7 +54,13 @@ def make_tasks(n_mc: int = 60, n_gen: int = 40, seed: int = 0) -> None:
                 rng.shuffle(choices)
                 mc.append({"context": context, "choices": choices, "answer": choices.index(lines[i])})
             elif len(gen) < n_gen:
-                gen.append({"context": context, "target": lines[i]})
+                # the line's first words are given and the rest completed; the split is at a space, so
+                # the target starts with " word" as the tokenizer splits it inside a line
+                line = lines[i]
+                spaces = [k for k, ch in enumerate(line) if ch == " " and k > len(line) - len(line.lstrip()) + 2]
+                if spaces:
+                    k = spaces[len(spaces) // 3]
+                    gen.append({"context": context + line[:k], "target": line[k:]})
     TASKS.mkdir(parents=True, exist_ok=True)
     for name, rows in (("heldout_code_mc", mc), ("heldout_code_line", gen)):
         with open(TASKS / f"{name}.jsonl", "w") as f:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Tuple
 
+from mtp_serve.models.mlx_lm_compat import streaming_detokenizer
+
 from .sampling import SamplingParams
 
 
@@ -16,7 +18,7 @@ class StopChecker:
 
     def __init__(self, tokenizer, params: SamplingParams):
         self.params = params
-        self.detok = tokenizer.detokenizer
+        self.detok = streaming_detokenizer(tokenizer)
         self.eos = set() if params.ignore_eos else set(tokenizer.eos_token_ids)
         self.eos |= set(params.stop_token_ids)
         self.stops = [s for s in params.stop if s]

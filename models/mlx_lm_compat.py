@@ -69,6 +69,7 @@ _require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product
          "mlx_lm.models.base")
 _require(_cache, ["KVCache", "BatchKVCache", "ArraysCache"], "mlx_lm.models.cache")
 _require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
+_require(_tokenizer_utils.BPEStreamingDetokenizer, ["_maybe_trim_space"], "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer")
 _require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
 _require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3NextAttention", "Qwen3NextMLP",
                      "Qwen3NextRMSNormGated"], "mlx_lm.models.qwen3_next")
@@ -141,6 +142,23 @@ Qwen3NextGatedDeltaNetBase = qwen3_next.Qwen3NextGatedDeltaNet
 Qwen3NextDecoderLayer = qwen3_next.Qwen3NextDecoderLayer
 Qwen3NextAttention = qwen3_next.Qwen3NextAttention
 QuantizedSwitchLinear = _switch_layers.QuantizedSwitchLinear
+
+
+class _ByteLevelDetokenizer(_tokenizer_utils.BPEStreamingDetokenizer):
+    """mlx-lm's BPE detokenizer drops a space that starts the first token (a SentencePiece
+    habit). In byte-level BPE (Qwen's tokenizers) that space is text: a completion of
+    "x =" whose first token is " 1" must read " 1", as `tokenizer.decode` has it."""
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        return current_text
+
+
+def streaming_detokenizer(tokenizer):
+    """The tokenizer's streaming detokenizer, keeping every space the tokens hold."""
+    detok = tokenizer.detokenizer
+    if type(detok) is _tokenizer_utils.BPEStreamingDetokenizer:
+        detok.__class__ = _ByteLevelDetokenizer  # same state; only the first-space trim differs
+    return detok
 
 
 def shard_decoder_layers(layers, group) -> None:

@@ -76,3 +76,18 @@ def test_max_tokens_zero_without_logprobs_and_bad_values(server):
     long = list(range(1, 300)) * 2
     r = httpx.post(server.base_url + "/completions", json={"prompt": long, "echo": True, "logprobs": 1, "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("text", [" = coro.send(None)", " x", "  two spaces", "plain"])
+def test_output_text_keeps_the_first_tokens_space(demo_model, text):
+    """A completion whose first token starts with a space reads with it (mlx-lm's BPE streaming
+    detokenizer drops it); eval harnesses compare generated text exactly, one token at a time too."""
+    from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.engine.stopping import StopChecker
+
+    tok = demo_model.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    for step in (len(ids), 1):  # all at once, and token by token
+        checker = StopChecker(tok, SamplingParams(max_tokens=len(ids), ignore_eos=True))
+        out = "".join(checker.feed(ids[i:i + step])[1] for i in range(0, len(ids), step))
+        assert out == tok.decode(ids) == text
