@@ -82,7 +82,7 @@ def from_response_format(fmt: Optional[dict], param: str = "response_format", mo
         spec = fmt.get("json_schema", fmt)  # chat nests it; Responses flattens it
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request(f"{param}: json_schema needs a 'schema'", param)
-        return json_schema(_schema(spec["schema"], f"{param}.schema"), f"{param}.schema", mode)
+        return json_schema(_schema(spec["schema"], f"{param}.schema"), param, mode)  # the message names the path
     raise bad_request(f"{param}: type {kind!r} is not supported (text, json_object, json_schema)", param)
 
 
