@@ -3,6 +3,7 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
 
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
                                     [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
+    python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
 248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
@@ -169,6 +170,30 @@ def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
     return row
 
 
+def compare_heads(shape: str, bits: int) -> None:
+    """Draft cost with the MTP head unquantized (fp32) and quantized like the body, one
+    body, alternating (`mtp-graft --quantize-head`'s question; random weights: costs only)."""
+    from mtp_serve.models.mlx_lm_compat import Qwen35DecoderLayer
+    from mtp_serve.models.model_card import load_card
+    from mtp_serve.models.mtp_head import MTPHead
+    from mtp_serve.models.mtp_model import MTPModel
+
+    fp, _ = quantized_model(shape, bits, quantize_mtp_head=False)
+    head = MTPHead(fp.text.args, Qwen35DecoderLayer)
+    quantize_head(head, bits, GROUP_SIZE)
+    mx.eval(head.parameters())
+    head.eval()
+    install_decode_qmm([head])
+    q = MTPModel(fp.model, fp.text, head, load_card("qwen3_5"), "qwen3_5")
+    runs: dict = {"fp32 head": [], f"{bits}-bit head": []}
+    for _ in range(3):
+        for name, m in zip(runs, (fp, q)):
+            runs[name].append(cost_ratios(measure_costs(m, context=32, reps=3)))
+    for name, cs in runs.items():
+        d, st = sorted(c["draft"] for c in cs)[1], sorted(c["step_ms"] for c in cs)[1]
+        print(f"[{shape} {bits}-bit body] {name}: draft {d:.3f} plain steps ({d * st:.1f} ms; step {st:.0f} ms)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", default=["0.8b:4", "0.8b:8", "2b:4", "2b:8", "4b:4", "4b:8", "a3b:4", "a3b:8"])
@@ -177,9 +202,16 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--fp32-head", action="store_true", help="keep the MTP head unquantized (mtp-graft's default)")
+    ap.add_argument("--compare-heads", action="store_true",
+                    help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
+    if args.compare_heads:
+        for spec in args.rows:
+            shape, bits = spec.split(":")
+            compare_heads(shape, int(bits))
+        return
     bandwidth = stream_bandwidth()
     print(f"stream bandwidth (fp32 matvec over 512 MB): {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows = []
