@@ -85,6 +85,8 @@ def _build() -> Tuple[Optional[Path], str]:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; the others wait and load it
                 if target.exists():
                     return target, ""
+                log.warning("building mtp-serve's quantized matmul kernel into %s (once per version, about a minute)",
+                            target.parent)
                 with tempfile.TemporaryDirectory(dir=target.parent) as build:
                     subprocess.run(_cmake_args(Path(build)), check=True, capture_output=True, timeout=600)
                     subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1)], check=True,
