@@ -7,9 +7,12 @@ server) on two small task files shipped in bench/data/eval_tasks/ (no hub downlo
   `echo: true, logprobs: 1, max_tokens: 1` and reads the prompt tokens' log-probabilities.
 - `heldout_code_line`, greedy generation: complete a line of held-out code from its first words
   (`until: "\\n"`), exact match against the rest of the real line.
-It serves the demo model twice, `mtp-serve --enable-mtp` and plain `mtp-serve`, runs both tasks
-against each, and prints the table: scores side by side, and how many per-sample outputs
-(loglikelihoods, generations) are identical. MTP must change nothing.
+It serves the demo model once (`mtp-serve --enable-mtp --mtp-depth 3 --fixed-depth`) and runs both
+tasks twice against it: with MTP, and with every request's `mtp_depth: 0` (a field lm-eval passes
+through from the task's generation_kwargs), then prints the table: scores side by side, and how
+many per-sample outputs (loglikelihoods, generations) are identical. MTP must change nothing.
+One server for both: two server processes may each calibrate decode matmuls differently at
+start-up (OpenBLAS threads, the skinny sgemm), which can move the last bits of a logit.
 
     pip install "lm_eval[api]"     # not a test dependency: the benchmark's only
     python bench/eval_lossless.py
@@ -98,7 +101,7 @@ generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 48
   temperature: 0
-metric_list:
+{extra}metric_list:
   - metric: exact_match
 """,
 }
@@ -131,14 +134,15 @@ def main() -> None:
         make_tasks()
         return
     with tempfile.TemporaryDirectory() as tmp:
-        tasks_dir = Path(tmp) / "tasks"
-        tasks_dir.mkdir()
-        for task, text in TASK_YAML.items():
-            (tasks_dir / f"{task}.yaml").write_text(text.format(data=TASKS / f"{task}.jsonl"))
+        flags = ["--enable-mtp", "--mtp-depth", str(args.depth), "--fixed-depth"]
         runs = {}
-        for label, flags in (("MTP off", []), (f"MTP on (depth {args.depth})", ["--enable-mtp", "--mtp-depth", str(args.depth), "--fixed-depth"])):
-            with ServerProcess(flags, start_timeout=900) as server:
-                runs[label] = run_lm_eval(server.base_url, Path(tmp) / label.replace(" ", "_"), tasks_dir)
+        with ServerProcess(flags, start_timeout=900) as server:
+            for label, extra in (("MTP off (mtp_depth 0)", "  mtp_depth: 0\n"), (f"MTP on (depth {args.depth})", "")):
+                tasks_dir = Path(tmp) / f"tasks{len(runs)}"
+                tasks_dir.mkdir()
+                for task, text in TASK_YAML.items():
+                    (tasks_dir / f"{task}.yaml").write_text(text.format(data=TASKS / f"{task}.jsonl", extra=extra))
+                runs[label] = run_lm_eval(server.base_url, Path(tmp) / f"out{len(runs)}", tasks_dir)
     off, on = runs.values()
     print(f"\n| task | samples | {' | '.join(runs)} | identical per-sample outputs |")
     print("|---|---|---|---|---|")

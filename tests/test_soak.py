@@ -34,7 +34,7 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}'),
     ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 4}'),
     ("/v1/messages", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "8"}'),
-    ("/v1/responses", '{"input": "x", "max_output_tokens": 100000}'),
+    ("/v1/responses", '{"input": "x", "max_output_tokens": 0}'),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": json.loads('{"a":' * 200 + "1" + "}" * 200)}}]})),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "stream": True, "seed": -(1 << 64)})),
