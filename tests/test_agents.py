@@ -154,8 +154,14 @@ def two_turns(agent: Agent) -> None:
     before = metrics(server)
     r1 = agent.turn("Say hello", first=True)
     after1 = metrics(server)
+    if r1.returncode == 0 and served_ok(after1, endpoint) == served_ok(before, endpoint):
+        # Once in a full CI-like run Codex closed its only stream itself (499, the server's side
+        # fine) and still exited 0; the synthetic model's sampled reply differs every run. One
+        # more try tells that apart from a server that never answers.
+        r1 = agent.turn("Say hello", first=True)
+        after1 = metrics(server)
     assert r1.returncode == 0, r1.stdout[-2000:] + r1.stderr[-2000:]
-    assert served_ok(after1, endpoint) - served_ok(before, endpoint) >= 1, after1
+    assert served_ok(after1, endpoint) - served_ok(before, endpoint) >= 1, (after1, r1.stdout[-3000:], r1.stderr[-3000:])
     assert failed_requests(after1, endpoint) == 0, after1
     prompt1 = delta(after1, before, "mtp_prompt_tokens_total")
     assert prompt1 > 5000, prompt1  # the agent's system prompt and tool schemas
