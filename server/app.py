@@ -67,12 +67,14 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
         return {"status": "ok", "model": config.served_model_name, "mtp": loaded.mtp_status,
                 "queue_depth": svc.engine.queue_depth, "active": svc.engine.active_count}
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.get("/")
     async def root():
-        """What answers `GET /` (clients such as Claude Code probe it): the server and its model."""
+        """What answers `GET /` and `HEAD /` (clients such as Claude Code probe it): the server and its model."""
         return {"object": "server", "name": "mtp-serve", "model": config.served_model_name,
                 "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models",
                               "/health", "/metrics"]}
+
+    app.head("/", include_in_schema=False)(root)
 
     @app.get("/metrics", response_class=Response)
     async def metrics():

@@ -334,3 +334,11 @@ def test_max_queue_counts_only_requests_beyond_free_slots(ckpt):
 
         statuses = [r.status_code for r in asyncio.run(main())]
     assert statuses == [200] * 8, statuses
+
+
+def test_root_answers_get_and_head(server):
+    """Claude Code probes `/` (HEAD) before it starts: 200, not 404."""
+    head = httpx.head(server.root + "/")
+    assert head.status_code == 200 and head.content == b""
+    got = httpx.get(server.root + "/")
+    assert got.status_code == 200 and got.json()["name"] == "mtp-serve"
