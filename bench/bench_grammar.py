@@ -25,8 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import pc
-from mtp_serve.engine import grammar as grammar_mod
+from common import MaskTimes, pc
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.grammar import Constraint
 from mtp_serve.engine.sampling import SamplingParams
@@ -144,30 +143,6 @@ def train_big_tokenizer(out: Path) -> None:
 # ---------------------------------------------------------------- decoding
 
 
-class MaskTimer:
-    """Time spent in RowGrammar.mask (patched on the class, for this process only)."""
-
-    def __init__(self):
-        self.seconds, self.calls = 0.0, 0
-
-    def __enter__(self):
-        self.orig = grammar_mod.RowGrammar.mask
-        timer = self
-
-        def mask(row):
-            t = pc()
-            out = timer.orig(row)
-            timer.seconds += pc() - t
-            timer.calls += 1
-            return out
-
-        grammar_mod.RowGrammar.mask = mask
-        return self
-
-    def __exit__(self, *exc):
-        grammar_mod.RowGrammar.mask = self.orig
-
-
 def decode(lm, prompt, constraint, depth, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, constraint=constraint, ignore_eos=True)
     toks, stats, first, last = [], None, None, None
@@ -195,7 +170,7 @@ def bench_decoding(lm, depth: int, max_tokens: int, repeats: int) -> dict:
             k = (r * len(prompts) + i) % len(names)
             for name in names[k:] + names[:k]:
                 c, d = modes[name]
-                with MaskTimer() as mt:
+                with MaskTimes() as mt:
                     toks, stats, secs = decode(lm, prompt, c, d, max_tokens)
                 e = res[name]
                 e["tokens"] += len(toks) - 1

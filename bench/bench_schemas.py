@@ -23,8 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from common import pc
-from mtp_serve.engine import grammar as grammar_mod
+from common import MaskTimes, pc
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.grammar import Constraint, GrammarCompiler
 from mtp_serve.engine.sampling import SamplingParams
@@ -42,29 +41,6 @@ PROMPT = "Write one JSON document that follows the schema you were given."
 def quantile(xs: List[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-class MaskTimes:
-    """Every RowGrammar.mask call's time (patched on the class, for this process only)."""
-
-    def __init__(self):
-        self.times: List[float] = []
-
-    def __enter__(self):
-        self.orig = grammar_mod.RowGrammar.mask
-        timer = self
-
-        def mask(row):
-            t = pc()
-            out = timer.orig(row)
-            timer.times.append(pc() - t)
-            return out
-
-        grammar_mod.RowGrammar.mask = mask
-        return self
-
-    def __exit__(self, *exc):
-        grammar_mod.RowGrammar.mask = self.orig
 
 
 def decode(lm, prompt: List[int], constraint: Constraint, depth: int, max_tokens: int, repetition_penalty: float = 1.0):
