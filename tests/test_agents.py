@@ -176,7 +176,9 @@ def two_turns(agent: Agent) -> None:
     # (all but the new message and what follows the last snapshot).
     prompt2 = delta(after2, after1, "mtp_prompt_tokens_total")
     cached2 = delta(after2, after1, "mtp_cached_prompt_tokens_total")
-    assert prompt2 > 5000 and cached2 > 0.8 * prompt2, (cached2, prompt2, prompt1)
+    # A turn may hold several requests (a tool call and its follow-up); their new parts are not
+    # cached, so the reuse is measured against the conversation turn 1 left behind.
+    assert prompt2 > 5000 and cached2 > 0.8 * min(prompt2, prompt1), (cached2, prompt2, prompt1)
     assert server.service.engine.active_count == 0
 
 
