@@ -18,7 +18,7 @@ from typing import Optional
 from mtp_serve.engine.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestHandle
 from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.prompt_cache_setup import open_prompt_cache
+from mtp_serve.engine.prompt_cache import open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.server.chat import ChatFormat, hf_tokenizer
 from mtp_serve.server.errors import APIError, bad_request

@@ -13,11 +13,11 @@ import pytest
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.prompt_cache import PromptCache
-from mtp_serve.engine.prompt_cache_disk import DiskTier
-from mtp_serve.engine.prompt_cache_setup import snapshot_costs
+from mtp_serve.engine.prompt_cache.disk import DiskTier
+from mtp_serve.engine.prompt_cache.setup import snapshot_costs
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
-from mtp_serve.engine.snapshot import materialize, snapshot_key
+from mtp_serve.engine.prompt_cache.snapshot import materialize, snapshot_key
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
 

@@ -32,7 +32,7 @@ import numpy as np
 from mtp_serve.models.caches import SpeculativeGDNCache
 from mtp_serve.models.mlx_lm_compat import KVCache
 
-from .sequence import RowCaches
+from ..sequence import RowCaches
 
 BLOCK_TOKENS = 256
 Pair = Tuple[mx.array, mx.array]

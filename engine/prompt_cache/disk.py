@@ -40,7 +40,7 @@ import numpy as np
 
 from .prefix_index import PrefixIndex
 from .snapshot import BLOCK_TOKENS, Block, BlockStore, Snapshot
-from .snapshot_files import (
+from .files import (
     BadFile,
     block_part_from,
     block_tensors,

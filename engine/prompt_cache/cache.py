@@ -22,7 +22,7 @@ snapshot goes first, but a snapshot that is a branch point (two or more
 stored continuations diverge after it: a system prompt several
 conversations share) only once no other is left.
 
-Disk (optional, `prompt_cache_disk.py`): every snapshot is also written in
+Disk (optional, `disk.py`): every snapshot is also written in
 the background; a prompt whose longest prefix is on disk but not in memory
 reads it back, also after a restart.
 """
@@ -38,8 +38,8 @@ from typing import Dict, List, Optional, Sequence as Seq
 import mlx.core as mx
 
 from .prefix_index import PrefixIndex
-from .prompt_cache_disk import DiskTier
-from .sequence import RowCaches
+from .disk import DiskTier
+from ..sequence import RowCaches
 from .snapshot import BlockStore, Snapshot, as_tokens, block_hashes, capture, materialize, snapshot_key
 
 log = logging.getLogger("mtp_serve.prompt_cache")

@@ -29,8 +29,8 @@ import mlx.core as mx
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
 
-from .prompt_cache import PromptCache
-from .prompt_cache_disk import DiskTier
+from .cache import PromptCache
+from .disk import DiskTier
 
 log = logging.getLogger("mtp_serve.prompt_cache")
 
