@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from mtp_serve.models.caches import RollbackBatchKVCache, SpeculativeGDNCache
+from mtp_serve.models.caches import SpeculativeGDNCache, merge_kv
 
 from .sequence import RowCaches, Sequence, Status
 
@@ -27,7 +27,7 @@ def _merge_layer(caches: List[Any]) -> Any:
         merged = SpeculativeGDNCache()
         merged.cache = [mx.concatenate([c[i] for c in caches], axis=0) for i in range(2)]
         return merged
-    return RollbackBatchKVCache.merge(caches)
+    return merge_kv(caches)
 
 
 def _merge(rows: List[RowCaches]) -> RowCaches:

@@ -8,16 +8,112 @@ input and the window's per-position states (in WY form, see
 `gated_delta_window`), and the commit keeps the state for the accepted length
 (vLLM's per-position state slots, SGLang's intermediate state caches), computing
 only that one.
+
+Attention KV is kept at the compute dtype or, with `KVSetting(bits, group_size)`
+(`--kv-bits`), quantized as mlx-lm's QuantizedKVCache keeps it: each entry's
+keys and values as a (packed, scales, biases) triple, groups along the head
+dimension, so every entry is quantized on its own and a window of T entries
+stores the same bits as T single steps. `QuantizedKVCache` is the single-row
+form, `RollbackBatchQuantizedKVCache` the batched one (the same holes as
+`RollbackBatchKVCache`); trims move an index, never requantize.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .mlx_lm_compat import ArraysCache, BatchKVCache, KVCache
+from .mlx_lm_compat import QuantizedKVCache as _MlxQuantizedKVCache
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    """The precision of attention KV: the compute dtype (`bits` None), or `bits`-bit
+    integers in groups of `group_size` along the head dimension, each group with
+    its own scale and bias (mlx-lm's QuantizedKVCache layout)."""
+
+    bits: Optional[int] = None
+    group_size: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def tag(self) -> str:
+        """Short name: in prompt-cache keys, disk fingerprints and metrics."""
+        return f"q{self.bits}g{self.group_size}" if self.quantized else "full"
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit, groups of {self.group_size}" if self.quantized else "full precision"
+
+    def check(self, head_dims: Sequence[int]) -> None:
+        """Raises ValueError unless every attention layer (head dims given) can hold it."""
+        if not self.quantized:
+            return
+        if self.bits not in KV_BITS:
+            raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))} (got {self.bits})")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))} (got {self.group_size})")
+        bad = sorted({d for d in head_dims if d % self.group_size})
+        if bad:
+            raise ValueError(f"--kv-group-size {self.group_size} does not divide the attention head dimension {bad[0]}")
+
+    def make(self) -> Any:
+        """An empty single-row attention cache at this setting."""
+        return QuantizedKVCache(self.group_size, self.bits) if self.quantized else KVCache()
+
+    @classmethod
+    def of(cls, cache: Any) -> "KVSetting":
+        """The setting an attention cache holds its KV at."""
+        bits = getattr(cache, "bits", None)
+        return cls(bits, cache.group_size) if bits is not None else FULL_KV
+
+
+FULL_KV = KVSetting()
+
+
+def kv_map(fn: Callable[[mx.array], mx.array], part: Any) -> Any:
+    """`fn` over a KV part: an array (full precision) or a quantized triple."""
+    return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
+
+
+def kv_arrays(part: Any) -> List[mx.array]:
+    return list(part) if isinstance(part, tuple) else [part]
+
+
+def kv_nbytes(part: Any) -> int:
+    return sum(a.nbytes for a in kv_arrays(part)) if part is not None else 0
+
+
+def kv_length(part: Any) -> int:
+    """Entries (positions) a KV part holds along the sequence axis."""
+    return kv_arrays(part)[0].shape[2]
+
+
+def kv_concatenate(parts: List[Any]) -> Any:
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(len(parts[0])))
+    return mx.concatenate(parts, axis=2)
+
+
+class QuantizedKVCache(_MlxQuantizedKVCache):
+    """mlx-lm's QuantizedKVCache, with the size and byte count the engine reads.
+    Its `trim` moves the offset back; the next update overwrites the entries."""
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else kv_nbytes(self.keys) + kv_nbytes(self.values)
 
 
 class SpeculativeGDNCache(ArraysCache):
@@ -149,11 +245,149 @@ class RollbackBatchKVCache(BatchKVCache):
         pad = self.left_padding.tolist()[idx]
         keep = np.nonzero(~np.array(self._holes_or_none(self._idx)[idx])[pad:])[0] + pad
         keep = mx.array(keep.astype(np.int32))
+        return self._single(lambda x: mx.contiguous(x[idx : idx + 1, :, keep]))
+
+    def _single(self, take: Callable[[mx.array], mx.array]) -> Any:
+        """A single-row cache holding take(keys), take(values)."""
         cache = KVCache()
-        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, keep])
-        cache.values = mx.contiguous(self.values[idx : idx + 1, :, keep])
+        cache.keys, cache.values = take(self.keys), take(self.values)
         cache.offset = cache.keys.shape[2]
         return cache
+
+
+class _QuantizedBatchKV(BatchKVCache):
+    """BatchKVCache's storage for quantized KV: keys and values are (packed, scales,
+    biases) triples [B, H, S, *], written with `mx.quantize` per entry. The same
+    bookkeeping (offsets, left padding, write index) as mlx-lm's full-precision one."""
+
+    def __init__(self, left_padding: List[int], group_size: int = 64, bits: int = 8):
+        super().__init__(left_padding)
+        self.group_size, self.bits = group_size, bits
+
+    def _empty(self, B: int, H: int, n: int, dim: int, dtype: mx.Dtype):
+        per_int = 32 // self.bits
+        return (mx.zeros((B, H, n, dim // per_int), mx.uint32), mx.zeros((B, H, n, dim // self.group_size), dtype),
+                mx.zeros((B, H, n, dim // self.group_size), dtype))
+
+    def update_and_fetch(self, keys, values):
+        prev, (B, H, T, Dk), Dv = self._idx, keys.shape, values.shape[3]
+        if self.keys is None or prev + T > self.keys[0].shape[2]:
+            n = (self.step + T - 1) // self.step * self.step
+            new_k, new_v = self._empty(B, H, n, Dk, keys.dtype), self._empty(B, H, n, Dv, values.dtype)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys, self.values = (kv_map(lambda x: x[..., :prev, :], p) for p in (self.keys, self.values))
+                self.keys, self.values = kv_concatenate([self.keys, new_k]), kv_concatenate([self.values, new_v])
+            else:
+                self.keys, self.values = new_k, new_v
+        self.offset = self.offset + T
+        self._idx += T
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        for i in range(3):
+            self.keys[i][..., prev : self._idx, :] = qk[i]
+            self.values[i][..., prev : self._idx, :] = qv[i]
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return tuple(kv_map(lambda x: x[..., : self._idx, :], p) for p in (self.keys, self.values))
+
+    def filter(self, batch_indices) -> None:
+        if self.keys is not None:
+            self.keys, self.values = (kv_map(lambda x: x[batch_indices], p) for p in (self.keys, self.values))
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        min_left_pad = min(self.left_padding.tolist())  # shift left to drop common padding, as mlx-lm does
+        if min_left_pad > 0:
+            if self.keys is not None:
+                self.keys, self.values = (kv_map(lambda x: x[..., min_left_pad:, :], p) for p in (self.keys, self.values))
+            self._idx -= min_left_pad
+            self.left_padding -= min_left_pad
+
+    def extend(self, other: "_QuantizedBatchKV") -> None:
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        max_idx = max(self._idx, other._idx)
+        max_size = max(kv_length(c.keys) for c in (self, other) if c.keys is not None)
+        like = self if self.keys is not None else other
+
+        def pad(c):  # right-justified at max_idx, all max_size long
+            k, v = c.keys, c.values
+            if k is None:
+                k, v = (kv_map(lambda x: mx.zeros((c.offset.shape[0], x.shape[1], 0, x.shape[3]), x.dtype), p)
+                        for p in (like.keys, like.values))
+            left = max_idx - c._idx
+            right = max_size - kv_length(k) - left
+            if right < 0:
+                k, v = (kv_map(lambda x: x[..., :right, :], p) for p in (k, v))
+                right = 0
+            if left or right:
+                k, v = (kv_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (left, right), (0, 0)]), p) for p in (k, v))
+            return k, v, c.offset, c.left_padding + left
+
+        (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
+        cat = lambda a, b: tuple(mx.concatenate([x, y]) for x, y in zip(a, b))  # noqa: E731
+        self.keys, self.values = cat(k1, k2), cat(v1, v2)
+        self.offset, self.left_padding = mx.concatenate([o1, o2]), mx.concatenate([l1, l2])
+        self._idx = max_idx
+
+    def extract(self, idx: int) -> Any:
+        mx.eval(self.left_padding)
+        pad = self.left_padding.tolist()[idx]
+        return self._single(lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]))
+
+    def _single(self, take: Callable[[mx.array], mx.array]) -> Any:
+        cache = QuantizedKVCache(self.group_size, self.bits)
+        cache.keys, cache.values = kv_map(take, self.keys), kv_map(take, self.values)
+        cache.offset = kv_length(cache.keys)
+        return cache
+
+    @classmethod
+    def merge(cls, caches: List[Any]) -> "_QuantizedBatchKV":
+        group_size, bits = caches[0].group_size, caches[0].bits
+        lengths = [c.size() for c in caches]
+        max_length = max(lengths)
+        padding = [max_length - n for n in lengths]
+        cache = cls(padding, group_size, bits)
+        if max_length == 0:
+            return cache
+        some = next(c for c in caches if c.keys is not None)
+        B = len(caches)
+        keys = tuple(mx.zeros((B, x.shape[1], max_length, x.shape[3]), x.dtype) for x in some.keys)
+        values = tuple(mx.zeros((B, x.shape[1], max_length, x.shape[3]), x.dtype) for x in some.values)
+        for i, (p, c) in enumerate(zip(padding, caches)):
+            if c.keys is None:
+                continue
+            for j in range(3):
+                keys[j][i : i + 1, :, p : p + c.offset] = c.keys[j][..., : c.offset, :]
+                values[j][i : i + 1, :, p : p + c.offset] = c.values[j][..., : c.offset, :]
+        cache.keys, cache.values = keys, values
+        cache.offset += max_length
+        cache._idx = max_length
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else kv_nbytes(self.keys) + kv_nbytes(self.values)
+
+
+class RollbackBatchQuantizedKVCache(RollbackBatchKVCache, _QuantizedBatchKV):
+    """RollbackBatchKVCache (per-row rollback as masked holes) over quantized KV."""
+
+    def __init__(self, left_padding: List[int], group_size: int = 64, bits: int = 8):
+        _QuantizedBatchKV.__init__(self, left_padding, group_size, bits)
+        self.holes = None
+
+    _single = _QuantizedBatchKV._single
+
+
+def merge_kv(caches: List[Any]) -> RollbackBatchKVCache:
+    """Single-row attention caches (all at one setting) merged into a batched one."""
+    if isinstance(caches[0], _MlxQuantizedKVCache):
+        return RollbackBatchQuantizedKVCache.merge(caches)
+    return RollbackBatchKVCache.merge(caches)
 
 
 def set_capture(cache: List[Any], on: bool) -> None:

@@ -65,9 +65,10 @@ def _require_init_fields(cls: type, names: Iterable[str]) -> None:
 
 _require(_utils, ["_get_classes", "infer_quant_config", "load_tokenizer"], "mlx_lm.utils")
 _require(_gated_delta, ["_gated_delta_step_ops", "compute_g", "gated_delta_update", "normalize_qk"], "mlx_lm.models.gated_delta")
-_require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product_attention", "gather_last_axis"],
+_require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product_attention", "gather_last_axis",
+               "quantized_scaled_dot_product_attention"],
          "mlx_lm.models.base")
-_require(_cache, ["KVCache", "BatchKVCache", "ArraysCache"], "mlx_lm.models.cache")
+_require(_cache, ["KVCache", "BatchKVCache", "ArraysCache", "QuantizedKVCache"], "mlx_lm.models.cache")
 _require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
 _require(_tokenizer_utils.BPEStreamingDetokenizer, ["_maybe_trim_space"], "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer")
 _require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
@@ -77,6 +78,10 @@ _require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3N
 _require(_cache.BatchKVCache, ["merge", "extend", "filter", "extract", "trim", "make_mask", "update_and_fetch"], "BatchKVCache")
 _require_init_fields(_cache.BatchKVCache, ["_idx", "left_padding", "offset", "keys", "values"])
 _require_init_fields(_cache.KVCache, ["offset", "keys", "values"])
+# Quantized KV (--kv-bits): a (packed, scales, biases) triple per keys and values, grown in `step`s;
+# scaled_dot_product_attention takes the quantized path for a cache with `bits`.
+_require_init_fields(_cache.QuantizedKVCache, ["offset", "keys", "values", "group_size", "bits"])
+_require(_cache.QuantizedKVCache, ["step", "update_and_fetch", "trim"], "QuantizedKVCache")
 _require_init_fields(_tokenizer_utils.TokenizerWrapper, ["_tokenizer"])
 _require_init_fields(_cache.ArraysCache, ["cache", "lengths", "left_padding"])
 _require(_cache.ArraysCache, ["advance", "extend", "filter", "extract"], "ArraysCache")
@@ -130,6 +135,8 @@ gather_last_axis = _base.gather_last_axis
 
 KVCache = _cache.KVCache
 BatchKVCache = _cache.BatchKVCache
+QuantizedKVCache = _cache.QuantizedKVCache
+quantized_scaled_dot_product_attention = _base.quantized_scaled_dot_product_attention
 ArraysCache = _cache.ArraysCache
 
 apply_top_k = _sample_utils.apply_top_k

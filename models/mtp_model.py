@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from mtp_serve.backend import blas_threads_for
 
-from .caches import SpeculativeGDNCache
+from .caches import FULL_KV, KVSetting, SpeculativeGDNCache
 from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers
 from .draft_vocab import DraftVocab
 from .model_card import ModelCard
@@ -40,6 +40,8 @@ class MTPModel:
         self.prefill: Optional[PrefillLayers] = PrefillLayers() if mx.default_device() == mx.cpu else None
         # The head's drafts score only this subset of the vocabulary (None: all of it).
         self.draft_vocab: Optional[DraftVocab] = None
+        # Precision of every attention cache, the backbone's and the head's (--kv-bits).
+        self.kv: KVSetting = FULL_KV
 
     @property
     def inner(self) -> nn.Module:
@@ -58,10 +60,16 @@ class MTPModel:
         return self.inner.embed_tokens.weight.shape[0]
 
     def make_cache(self) -> List[Any]:
-        return [SpeculativeGDNCache() if l.is_linear else KVCache() for l in self.layers]
+        return [SpeculativeGDNCache() if l.is_linear else self.kv.make() for l in self.layers]
 
-    def make_head_cache(self) -> KVCache:
-        return KVCache()
+    def make_head_cache(self) -> Any:
+        return self.kv.make()
+
+    def use_kv(self, kv: KVSetting) -> None:
+        """Keep attention KV at this setting from now on (caches made before keep theirs).
+        Raises ValueError when the group size does not divide the head dimension."""
+        kv.check([self.text.args.head_dim])
+        self.kv = kv
 
     def use_draft_vocab(self, ids: Optional[List[int]]) -> None:
         """Draft from these token ids only (None: the whole vocabulary)."""

@@ -12,10 +12,16 @@ sigmoid, whose `exp` runs element by element through library calls here):
   gated-norm activations from `fast_math` (`gdn.py`, `cpu_prefill=True`);
 * dense MLP: SwiGLU from `fast_math`.
 
-Anything else (quantized KV caches, array masks of batched caches, MoE
-blocks) runs mlx-lm's own modules, and so does every layer when the compute
-dtype is not fp32. Outputs match
-mlx-lm's to fp32 rounding; short decode inputs never come here
+A quantized KV cache (`--kv-bits`) takes the same blockwise path: the
+chunk's keys and values are quantized into the cache first, then the cache is
+dequantized (an O(keys) pass per chunk) and the queries attend over those
+values, exactly what mlx-lm's quantized attention computes (its products
+dequantize the same groups), without its [heads, L, S] score matrix through
+CPU `quantized_matmul` (bench_kv_quant.py times both).
+
+Anything else (array masks of batched caches, MoE blocks) runs mlx-lm's own
+modules, and so does every layer when the compute dtype is not fp32. Outputs
+match mlx-lm's to fp32 rounding; short decode inputs never come here
 (`compiled_steps.py`).
 """
 
@@ -28,22 +34,30 @@ import mlx.nn as nn
 
 from . import fast_math
 from .compiled_steps import _attention_in
+from .caches import QuantizedKVCache
 from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
 from .prefill_attention import causal_attention
+
+
+# Quantized KV through the blockwise path (False: mlx-lm's quantized attention; benchmarks compare).
+DEQUANTIZE_QUANTIZED_KV = True
 
 
 def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any]) -> mx.array:
     """`layer.self_attn(layer.input_layernorm(x), mask, cache)`, blockwise where supported."""
     attn = layer.self_attn
+    quantized = type(cache) is QuantizedKVCache
     if (
         type(attn) is not Qwen3NextAttention
-        or type(cache) is not KVCache
+        or not (type(cache) is KVCache or (quantized and DEQUANTIZE_QUANTIZED_KV))
         or not (isinstance(mask, str) and mask == "causal")
     ):
         return attn(layer.input_layernorm(x), mask, cache)
     B, L, _ = x.shape
     q, k, v, gate = _attention_in(layer)(x, cache.offset)
     k, v = cache.update_and_fetch(k, v)
+    if quantized:
+        k, v = (mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits) for p in (k, v))
     out = causal_attention(q, k, v, attn.scale).transpose(0, 2, 1, 3).reshape(B, L, -1)
     return attn.o_proj(out * fast_math.sigmoid(gate))
 

@@ -37,10 +37,12 @@ from typing import Dict, List, Optional, Sequence as Seq
 
 import mlx.core as mx
 
+from mtp_serve.models.caches import FULL_KV, KVSetting
+
 from .prefix_index import PrefixIndex
 from .disk import DiskTier
 from ..sequence import RowCaches
-from .snapshot import BlockStore, Snapshot, as_tokens, block_hashes, capture, materialize, snapshot_key
+from .snapshot import BlockStore, Snapshot, as_tokens, block_hashes, capture, kv_salt, materialize, snapshot_key
 
 log = logging.getLogger("mtp_serve.prompt_cache")
 
@@ -54,8 +56,13 @@ class Hit:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int = 4 << 30, interval: int = 0, disk: Optional[DiskTier] = None):
+    def __init__(self, max_bytes: int = 4 << 30, interval: int = 0, disk: Optional[DiskTier] = None,
+                 kv: KVSetting = FULL_KV):
+        if disk is not None and disk.kv != kv:
+            raise ValueError(f"a disk tier at KV {disk.kv.tag} under a prompt cache at KV {kv.tag}")
         self.max_bytes = max_bytes
+        self.kv = kv  # the KV setting of every snapshot it holds (part of their names)
+        self._salt = kv_salt(kv)
         self.interval = interval  # 0: no snapshots inside long stretches
         self.disk = disk
         self.blocks = BlockStore()
@@ -88,7 +95,7 @@ class PromptCache:
         """Fresh caches after the longest stored strict prefix of `prompt` (from memory,
         or read back from disk when the disk holds a longer one); None on a miss."""
         tokens = as_tokens(prompt)
-        chain = block_hashes(tokens)
+        chain = block_hashes(tokens, salt=self._salt)
         usable = lambda s: s.has_head or not needs_head  # noqa: E731
         snap = self.index.longest_prefix(tokens, chain, len(tokens) - 1, usable)
         tier = "ram"
@@ -122,12 +129,16 @@ class PromptCache:
     # -- store
 
     def store(self, tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array]) -> None:
-        """Snapshot caches that hold exactly `tokens` (unless that snapshot exists)."""
+        """Snapshot caches that hold exactly `tokens` (unless that snapshot exists). Raises
+        ValueError for caches at another KV setting than the cache's."""
         if len(tokens) < 2 or self.max_bytes <= 0:
             return
+        kv = next((KVSetting.of(c) for c in caches.backbone + [caches.head] if hasattr(c, "keys")), self.kv)
+        if kv != self.kv:
+            raise ValueError(f"caches at KV {kv.tag} offered to a prompt cache at KV {self.kv.tag}")
         if caches.head is not None and caches.head.offset == 0:
             return  # nothing in the head's cache yet (a one-token prompt): not worth a snapshot
-        have = self.by_key.get(snapshot_key(tokens))
+        have = self.by_key.get(snapshot_key(tokens, self._salt))
         if have is not None:
             have.last_used = next(self._clock)
             return

@@ -11,7 +11,8 @@ there, for a fast start) and safetensors files named `<fingerprint[:16]>-<kind>-
 `s` a snapshot's own arrays, `k` a block's backbone KV, `h` a block's head KV
 (blocks are written once and shared by the snapshots naming them, as in
 memory). Another model's (or other weights') files live in another folder and
-are never looked at. At start the index is checked against the folder: files
+are never looked at; so are another KV setting's (`--kv-bits`: part of the
+fingerprint, and each file's metadata and the index name it). At start the index is checked against the folder: files
 it lacks are read whole and adopted when sound, partial writes (`*.tmp`) are
 removed, and a file that is corrupt or not ours is skipped with a warning;
 reading a file that turns out corrupt drops it, with a warning, and the
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from mtp_serve.models.caches import FULL_KV, KVSetting
 
 from .prefix_index import PrefixIndex
 from .snapshot import BLOCK_TOKENS, Block, BlockStore, Snapshot
@@ -91,13 +94,17 @@ def model_folder(root: Path, name: str, fingerprint: str) -> Path:
 
 
 class DiskTier:
-    def __init__(self, root: Path, model_name: str, fingerprint: str, max_bytes: int, layout: Tuple[bool, ...]):
+    def __init__(self, root: Path, model_name: str, fingerprint: str, max_bytes: int, layout: Tuple[bool, ...],
+                 kv: KVSetting = FULL_KV):
         self.dir = model_folder(Path(root).expanduser(), model_name, fingerprint)
         self.dir.mkdir(parents=True, exist_ok=True)  # an unusable folder is an error at start-up
         self.model, self.fingerprint, self.max_bytes = model_name, fingerprint, max_bytes
         self.layout = layout
+        self.kv = kv
         self.prefix = fingerprint[:16]
         self._meta = {"weights": fingerprint}  # what a file must say to be read; it also names the model
+        if kv.quantized:  # (full-precision files carry no kv entry: those written before it existed stay valid)
+            self._meta["kv"] = kv.tag
         self.entries: Dict[str, DiskEntry] = {}
         self.block_files: Dict[str, int] = {}  # file name -> bytes
         self._bytes = 0  # of the snapshot and block files listed
@@ -164,7 +171,8 @@ class DiskTier:
             return {}, {}
         try:
             data = json.loads(path.read_text())
-            if data.get("weights") != self.fingerprint or data.get("block_tokens") != BLOCK_TOKENS:
+            if (data.get("weights") != self.fingerprint or data.get("block_tokens") != BLOCK_TOKENS
+                    or data.get("kv", "full") != self.kv.tag):
                 raise ValueError("it names other weights or another format")
             return ({k: DiskEntry.of(k, d) for k, d in data["snapshots"].items()},
                     {str(k): int(v) for k, v in data["blocks"].items()})
@@ -179,7 +187,7 @@ class DiskTier:
                 read_file(path, {**self._meta, "kind": "kv" if kind == "k" else "head", "block": key})
                 self._add_block(path.name, size)
                 return
-            snap = snapshot_from(*read_file(path, {**self._meta, "kind": "snapshot"}), self.layout)
+            snap = snapshot_from(*read_file(path, {**self._meta, "kind": "snapshot"}), self.layout, self.kv)
             if snap.key != key:
                 raise BadFile("its name does not match its tokens")
         except BadFile as e:
@@ -233,7 +241,7 @@ class DiskTier:
                 self._drop_entry(entry)
             return None
         try:
-            snap = snapshot_from(*read_file(path, {**self._meta, "kind": "snapshot"}), self.layout)
+            snap = snapshot_from(*read_file(path, {**self._meta, "kind": "snapshot"}), self.layout, self.kv)
             if snap.n != entry.n or not np.array_equal(snap.tail, entry.tail) or snap.chain != entry.chain:
                 raise BadFile("its tokens are not the ones its name promises")
             blocks: Dict[str, Block] = {}
@@ -360,7 +368,7 @@ class DiskTier:
     def _save_index(self) -> None:
         if not self._dirty:
             return
-        data = {"format": 1, "model": self.model, "weights": self.fingerprint, "block_tokens": BLOCK_TOKENS,
+        data = {"format": 1, "model": self.model, "weights": self.fingerprint, "block_tokens": BLOCK_TOKENS, "kv": self.kv.tag,
                 "snapshots": {k: e.as_json() for k, e in self.entries.items()}, "blocks": self.block_files}
         tmp = self.dir / f"{INDEX}.{os.getpid()}.tmp"
         try:

@@ -3,7 +3,9 @@
 A file's metadata says what it is (`kind`: snapshot, kv or head block), which
 model and weights computed it, the snapshot's layout, and a CRC-32 and dtype
 per tensor: a file that is truncated, altered or from other weights fails to
-read with `BadFile` instead of restoring wrong state. Writes go to a temporary
+read with `BadFile` instead of restoring wrong state. Quantized KV parts are
+three tensors (`.k.0` packed, `.k.1` scales, `.k.2` biases) where a full
+precision part is one (`.k`), and the snapshot's info names its KV setting. Writes go to a temporary
 name in the same directory and are renamed into place, so a file under its
 final name is always complete.
 """
@@ -21,7 +23,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .snapshot import Block, Pair, Snapshot, block_hashes
+from mtp_serve.models.caches import FULL_KV, KVSetting
+
+from .snapshot import Block, Pair, Snapshot, block_hashes, kv_salt
 
 FORMAT = "mtp-serve-prompt-cache/1"
 Tensors = Dict[str, np.ndarray]
@@ -50,9 +54,14 @@ def _put(tensors: Tensors, dtypes: Dict[str, str], name: str, x: Optional[mx.arr
 
 
 def _put_pair(tensors: Tensors, dtypes: Dict[str, str], prefix: str, pair: Optional[Pair]) -> None:
-    if pair is not None:
-        _put(tensors, dtypes, prefix + ".k", pair[0])
-        _put(tensors, dtypes, prefix + ".v", pair[1])
+    if pair is None:
+        return
+    for name, part in ((prefix + ".k", pair[0]), (prefix + ".v", pair[1])):
+        if isinstance(part, tuple):  # quantized: packed, scales, biases
+            for i, x in enumerate(part):
+                _put(tensors, dtypes, f"{name}.{i}", x)
+        else:
+            _put(tensors, dtypes, name, part)
 
 
 def snapshot_tensors(snap: Snapshot) -> Tuple[Tensors, Dict[str, str], dict]:
@@ -63,7 +72,8 @@ def snapshot_tensors(snap: Snapshot) -> Tuple[Tensors, Dict[str, str], dict]:
         _put_pair(tensors, dtypes, f"layer{i}", pair)
     _put_pair(tensors, dtypes, "head", snap.head_tail)
     _put(tensors, dtypes, "owed", snap.owed)
-    info = {"n": snap.n, "linear": list(snap.linear), "head_blocks": snap.head_blocks, "has_head": snap.has_head}
+    info = {"n": snap.n, "linear": list(snap.linear), "head_blocks": snap.head_blocks, "has_head": snap.has_head,
+            "kv": [snap.kv.bits, snap.kv.group_size]}
     return tensors, dtypes, info
 
 
@@ -134,18 +144,30 @@ def read_file(path: Path, expect: dict) -> Tuple[Dict[str, mx.array], dict]:
     return out, meta
 
 
+def _part(tensors: Dict[str, mx.array], name: str):
+    if name in tensors:
+        return tensors[name]
+    if name + ".0" in tensors:
+        return tuple(tensors[f"{name}.{i}"] for i in range(3))
+    return None
+
+
 def _pair(tensors: Dict[str, mx.array], prefix: str) -> Optional[Pair]:
-    if prefix + ".k" not in tensors:
-        return None
-    return tensors[prefix + ".k"], tensors[prefix + ".v"]
+    k, v = _part(tensors, prefix + ".k"), _part(tensors, prefix + ".v")
+    return None if k is None or v is None else (k, v)
 
 
-def snapshot_from(tensors: Dict[str, mx.array], meta: dict, linear: Tuple[bool, ...]) -> Snapshot:
-    """A snapshot read back (its blocks are read separately); checks it fits the model's layout."""
+def snapshot_from(tensors: Dict[str, mx.array], meta: dict, linear: Tuple[bool, ...], kv: KVSetting = FULL_KV) -> Snapshot:
+    """A snapshot read back (its blocks are read separately); checks it fits the model's
+    layout and was taken at KV setting `kv`."""
     info = json.loads(meta["info"])
     tokens = np.array(tensors["tokens"], dtype=np.int32)
     if tuple(info["linear"]) != tuple(linear) or len(tokens) != info["n"]:
         raise BadFile("its layout does not match this model")
+    bits, group_size = info.get("kv", [None, 64])
+    taken = KVSetting(bits, group_size) if bits is not None else FULL_KV
+    if taken != kv:
+        raise BadFile(f"it was taken at KV {taken.tag}, not {kv.tag}")
     layers: List[Pair] = []
     for i in range(len(linear)):
         pair = _pair(tensors, f"layer{i}")
@@ -153,7 +175,8 @@ def snapshot_from(tensors: Dict[str, mx.array], meta: dict, linear: Tuple[bool, 
             raise BadFile(f"layer {i} is missing")
         layers.append(pair)
     head_tail = _pair(tensors, "head") if info["has_head"] else None
-    return Snapshot(tokens, block_hashes(tokens), tuple(linear), layers, info["head_blocks"], head_tail, tensors.get("owed"))
+    return Snapshot(tokens, block_hashes(tokens, salt=kv_salt(kv)), tuple(linear), layers, info["head_blocks"], head_tail,
+                    tensors.get("owed"), kv)
 
 
 def block_part_from(tensors: Dict[str, mx.array], head: bool, n_attention: int) -> object:

@@ -12,6 +12,8 @@
   of INTERVAL_ALIGN fall on prefill chunk ends (the server's default chunk and
   PREFILL_CHUNK divide it), so they cost no extra forward pass.
 - Disk budget: half the free space of the cache's file system, at most 16 GiB.
+- KV setting: the model's (`--kv-bits`); snapshots hold KV as the caches do,
+  and the setting is part of their names and of the disk fingerprint.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mtp_serve.models.caches import kv_length, kv_nbytes
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
 
@@ -71,7 +74,7 @@ def snapshot_costs(model) -> SnapshotCosts:
     state, per_token = 0, 0
     for c in caches + ([head] if head is not None else []):
         if hasattr(c, "keys"):
-            per_token += 2 * c.keys.nbytes // c.keys.shape[2]
+            per_token += (kv_nbytes(c.keys) + kv_nbytes(c.values)) // kv_length(c.keys)
         else:
             state += sum(a.nbytes for a in c.cache)
     return SnapshotCosts(state, per_token, str(hidden.dtype))
@@ -106,10 +109,12 @@ def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, int
         folder = Path(disk_dir).expanduser()
         if disk_bytes is None:
             disk_bytes = default_disk_bytes(folder)
+        kv = (f"kv={model.kv.tag}",) if model.kv.quantized else ()  # (full precision: the fingerprint as before)
         fingerprint = weights_fingerprint(weight_files(loaded.path), f"dtype={costs.dtype}", f"head={model.has_mtp}",
-                                          f"card={model.card}")
+                                          f"card={model.card}", *kv)
         layout = tuple(bool(layer.is_linear) for layer in model.layers)
-        disk = DiskTier(folder, name, fingerprint, disk_bytes, layout)
-    log.info("prompt cache: %.2f GiB of memory, a snapshot every %d tokens inside long messages%s", max_bytes / 2**30,
-             interval, f"; disk tier {disk.dir} ({disk_bytes / 2**30:.2f} GiB, {len(disk)} snapshots found)" if disk else "")
-    return PromptCache(max_bytes, interval, disk)
+        disk = DiskTier(folder, name, fingerprint, disk_bytes, layout, model.kv)
+    log.info("prompt cache: %.2f GiB of memory, KV %s (%d bytes a token), a snapshot every %d tokens inside long "
+             "messages%s", max_bytes / 2**30, model.kv, costs.kv_bytes_per_token, interval,
+             f"; disk tier {disk.dir} ({disk_bytes / 2**30:.2f} GiB, {len(disk)} snapshots found)" if disk else "")
+    return PromptCache(max_bytes, interval, disk, model.kv)

@@ -17,6 +17,11 @@ The head's KV entry at position p is f(H[p], x[p+1]): it depends on tokens up
 to p+1, so head block i holds the entries [iB-1, (i+1)B-1) (block 0: [0, B-1)),
 all of which depend only on tokens[0 : (i+1)B], the same prefix as backbone
 block i.
+
+Quantized KV (`--kv-bits`) is stored as the caches hold it: each keys or
+values part a (packed, scales, biases) triple, counted at its real bytes.
+Names (block hashes, snapshot keys) are salted with the KV setting, so a
+snapshot taken at one setting is never found, shared or restored at another.
 """
 
 from __future__ import annotations
@@ -29,18 +34,23 @@ from typing import Any, Dict, List, Optional, Sequence as Seq, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mtp_serve.models.caches import SpeculativeGDNCache
-from mtp_serve.models.mlx_lm_compat import KVCache
+from mtp_serve.models.caches import FULL_KV, KVSetting, SpeculativeGDNCache, kv_concatenate, kv_length, kv_map, kv_nbytes
 
 from ..sequence import RowCaches
 
 BLOCK_TOKENS = 256
-Pair = Tuple[mx.array, mx.array]
+Pair = Tuple[Any, Any]  # (keys, values): arrays, or quantized (packed, scales, biases) triples
 
 
-def block_hashes(tokens: np.ndarray, block: int = BLOCK_TOKENS) -> List[str]:
-    """Names of the full blocks of `tokens`: hash i covers tokens[0 : (i+1)*block]."""
-    out, h = [], b""
+def kv_salt(kv: KVSetting) -> str:
+    """What a KV setting adds to names ("" at full precision: names as before quantized KV)."""
+    return "" if not kv.quantized else kv.tag
+
+
+def block_hashes(tokens: np.ndarray, block: int = BLOCK_TOKENS, salt: str = "") -> List[str]:
+    """Names of the full blocks of `tokens`: hash i covers tokens[0 : (i+1)*block]
+    (and the KV setting's `salt`)."""
+    out, h = [], salt.encode()
     for i in range(len(tokens) // block):
         h = hashlib.blake2b(h + tokens[i * block : (i + 1) * block].tobytes(), digest_size=16).digest()
         out.append(h.hex())
@@ -51,9 +61,9 @@ def as_tokens(tokens: Seq[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
 
 
-def snapshot_key(tokens: Seq[int]) -> str:
-    """A snapshot's name: a hash of all its tokens."""
-    return hashlib.blake2b(as_tokens(tokens).tobytes(), digest_size=16).hexdigest()
+def snapshot_key(tokens: Seq[int], salt: str = "") -> str:
+    """A snapshot's name: a hash of all its tokens (and the KV setting's `salt`)."""
+    return hashlib.blake2b(salt.encode() + as_tokens(tokens).tobytes(), digest_size=16).hexdigest()
 
 
 def head_span(i: int, block: int = BLOCK_TOKENS) -> Tuple[int, int]:
@@ -61,14 +71,14 @@ def head_span(i: int, block: int = BLOCK_TOKENS) -> Tuple[int, int]:
     return max(0, i * block - 1), (i + 1) * block - 1
 
 
-def _own(x: mx.array) -> mx.array:
+def _own(x: Any) -> Any:
     """A copy with its own buffer: a slice of a live cache would keep the whole
     cache buffer alive (and make its next in-place update copy it)."""
-    return mx.array(x)
+    return kv_map(mx.array, x)
 
 
-def _nbytes(arrays) -> int:
-    return sum(a.nbytes for a in arrays if a is not None)
+def _nbytes(parts) -> int:
+    return sum(kv_nbytes(a) for a in parts)
 
 
 @dataclass(eq=False)
@@ -94,6 +104,7 @@ class Snapshot:
     head_blocks: int  # leading blocks whose head entries are used (0 without a head)
     head_tail: Optional[Pair]  # head KV entries [head_start, head_offset); None: no head
     owed: Optional[mx.array]  # [1, n - head_offset, H]
+    kv: KVSetting = FULL_KV  # the attention KV's setting
     # Bookkeeping of the tier holding it.
     last_used: float = 0.0
     parent: Optional["Snapshot"] = None
@@ -105,7 +116,7 @@ class Snapshot:
 
     @cached_property
     def key(self) -> str:
-        return snapshot_key(self.tokens)
+        return snapshot_key(self.tokens, kv_salt(self.kv))
 
     @property
     def tail(self) -> np.ndarray:
@@ -169,10 +180,11 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     """Snapshot the caches holding exactly `tokens`; blocks the store lacks are copied into it
     (it does not count them as used until `store.acquire`)."""
     toks = as_tokens(tokens)
-    n, chain = len(toks), block_hashes(toks)
-    full = len(chain) * BLOCK_TOKENS
     linear = tuple(isinstance(c, SpeculativeGDNCache) for c in caches.backbone)
     attention = [c for c, lin in zip(caches.backbone, linear) if not lin]
+    setting = KVSetting.of(attention[0] if attention else caches.head) if attention or caches.head is not None else FULL_KV
+    n, chain = len(toks), block_hashes(toks, salt=kv_salt(setting))
+    full = len(chain) * BLOCK_TOKENS
     if any(c.offset != n for c in attention):
         raise ValueError(f"caches hold {attention[0].offset} tokens, not the snapshot's {n}")
     head = caches.head
@@ -183,7 +195,7 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     fresh: List[mx.array] = []
 
     def cut(c, start: int, end: int) -> Pair:
-        pair = (_own(c.keys[..., start:end, :]), _own(c.values[..., start:end, :]))
+        pair = tuple(_own(kv_map(lambda x: x[..., start:end, :], p)) for p in (c.keys, c.values))
         fresh.extend(pair)
         return pair
 
@@ -201,17 +213,18 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     head_tail = cut(head, head_span(head_blocks)[0] if head_blocks else 0, head_offset) if head is not None else None
     owed_copy = _own(owed) if head is not None and owed is not None else None
     mx.eval(fresh, owed_copy if owed_copy is not None else [])
-    return Snapshot(toks, chain, linear, layers, head_blocks, head_tail, owed_copy)
+    return Snapshot(toks, chain, linear, layers, head_blocks, head_tail, owed_copy, setting)
 
 
-def _kv_cache(parts: List[mx.array], values: List[mx.array], room: int = KVCache.step) -> KVCache:
-    """A KVCache holding the concatenated parts, with `room` free positions so the
-    next update writes in place instead of reallocating."""
-    cache = KVCache()
-    k, v = mx.concatenate(parts, axis=2), mx.concatenate(values, axis=2)
-    cache.offset = k.shape[2]
+def _kv_cache(parts: List[Any], values: List[Any], kv: KVSetting) -> Any:
+    """An attention cache at setting `kv` holding the concatenated parts, with a
+    step of free positions so the next update writes in place instead of reallocating."""
+    cache = kv.make()
+    room = cache.step
+    k, v = kv_concatenate(parts), kv_concatenate(values)
+    cache.offset = kv_length(k)
     pad = lambda x: mx.concatenate([x, mx.zeros(x.shape[:2] + (room,) + x.shape[3:], x.dtype)], axis=2)  # noqa: E731
-    cache.keys, cache.values = pad(k), pad(v)
+    cache.keys, cache.values = kv_map(pad, k), kv_map(pad, v)
     return cache
 
 
@@ -225,12 +238,13 @@ def materialize(snap: Snapshot, store: BlockStore) -> Tuple[RowCaches, Optional[
             c = SpeculativeGDNCache()
             c.cache = [a, b]  # never updated in place: the layer stores new arrays
         else:
-            c = _kv_cache([blk.kv[j][0] for blk in blocks] + [a], [blk.kv[j][1] for blk in blocks] + [b])
+            c = _kv_cache([blk.kv[j][0] for blk in blocks] + [a], [blk.kv[j][1] for blk in blocks] + [b], snap.kv)
             j += 1
         backbone.append(c)
     head = None
     if snap.head_tail is not None:
         used = blocks[: snap.head_blocks]
-        head = _kv_cache([blk.head[0] for blk in used] + [snap.head_tail[0]], [blk.head[1] for blk in used] + [snap.head_tail[1]])
+        head = _kv_cache([blk.head[0] for blk in used] + [snap.head_tail[0]], [blk.head[1] for blk in used] + [snap.head_tail[1]],
+                         snap.kv)
     mx.eval([c.state for c in backbone], head.state if head is not None else [])
     return RowCaches(backbone, head), snap.owed
