@@ -164,7 +164,9 @@ class EngineLoop:
         return job.future
 
     def check_constraint(self, constraint) -> None:
-        """Compile an output constraint (GrammarError when it cannot be); from any thread."""
+        """Compile an output constraint and its first mask, within the grammar budget (GrammarError
+        naming the problem or the limit); from any thread but this one's. The compiled matcher rides
+        on `constraint`, so admitting the request copies it instead of compiling on the engine thread."""
         self.scheduler.grammar_compiler().check(constraint)
 
     def cancel(self, handle: RequestHandle) -> None:

@@ -15,6 +15,7 @@ prefill and leave when done or cancelled.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
@@ -24,7 +25,7 @@ from mtp_serve.models.mtp_model import MTPModel
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 
 from .batch import Batch
-from .grammar import GrammarCompiler
+from .grammar import GrammarCompiler, GrammarError
 from .policy import DepthPolicy
 from .prefill import prefill
 from .prompt_cache import PromptCache
@@ -33,6 +34,7 @@ from .sequence import Sequence, Status, new_sequence
 from .speculative import run_round
 
 log = logging.getLogger("mtp_serve.engine")
+_COMPILER_LOCK = threading.Lock()
 
 
 class Scheduler:
@@ -68,6 +70,7 @@ class Scheduler:
         """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
         if self.prompt_cache is not None:
             checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
+        # The constraint arrives prepared (compiled off this thread, `EngineLoop.check_constraint`): a copy, no compiling.
         grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
         seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
                            prior_acceptance=self.policy.start_rates(), grammar=grammar)
@@ -76,8 +79,10 @@ class Scheduler:
 
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles constraints for this model's tokenizer (built on first use)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(hf_tokenizer(self.tokenizer), self.model.vocab_size, self.tokenizer.eos_token_ids)
+        with _COMPILER_LOCK:  # the server's tokenizer pool prepares constraints with it too
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(hf_tokenizer(self.tokenizer), self.model.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
         return self._grammars
 
     def cancel(self, key: Hashable) -> None:
@@ -120,6 +125,10 @@ class Scheduler:
         if self.sync is not None:
             emitted = self.sync.first_token(seq, emitted)
         self.prefilling.popleft()
+        if _grammar_failed(seq):
+            self._forget(seq)
+            yield seq.key, GrammarError(f"the output constraint failed: {seq.grammar.error}")
+            return
         yield seq.key, seq.apply(emitted)
         self._store(seq, seq.prompt, seq.caches)
         if seq.finished:
@@ -142,8 +151,11 @@ class Scheduler:
             return [(s.key, e) for s in rows]
         self.policy.observe(rows, depths, accepted.counts, elapsed)
         self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
-        for s in rows:
-            if s.finished:
+        for i, s in enumerate(rows):
+            if _grammar_failed(s):  # its own matcher failed (a grammar-engine limit): this row alone ends
+                out[i] = (s.key, GrammarError(f"the output constraint failed: {s.grammar.error}"))
+                self._leave(s)
+            elif s.finished:
                 self._leave(s, store=True)
         return out
 
@@ -199,3 +211,7 @@ class Scheduler:
             self._forget(seq)
         for seq in [s for s in self.batch.rows if s.status is Status.CANCELLED]:
             self._leave(seq)
+
+
+def _grammar_failed(seq: Sequence) -> bool:
+    return seq.grammar is not None and seq.grammar.error is not None

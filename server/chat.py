@@ -193,6 +193,7 @@ class ChatFormat:
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
         tools = tools or None
+        constraints.check_tools(tools)  # JSON Schema's metaschema, before any use: a 400 on every API
         choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
         if tool_name is not None:
             choice = "function"
@@ -230,12 +231,21 @@ class ChatFormat:
         return prompt
 
     def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
-        """What the engine enforces from the first output token: reasoning stays free."""
-        if prompt.constraint is None:
+        """What the engine enforces from the first output token: reasoning stays free. The same
+        object each time for a prompt, so what `check_constraint` compiled for it (off the engine
+        thread) is what the engine gets."""
+        c = prompt.constraint
+        if c is None:
             return None
+        made = prompt.__dict__.get("_engine_constraint")
+        if made is not None and made[0] is c and made[1] == prompt.opens_reasoning:
+            return made[2]
         if not prompt.opens_reasoning:
-            return Constraint(prompt.constraint.kind, prompt.constraint.source)  # what the engine reads, nothing more
-        return constraints.after_reasoning(prompt.constraint, self.added_tokens)
+            out = Constraint(c.kind, c.source).carry(c)  # what the engine reads, nothing more (and c's compiled matcher)
+        else:
+            out = constraints.after_reasoning(c, self.added_tokens)
+        prompt.__dict__["_engine_constraint"] = (c, prompt.opens_reasoning, out)
+        return out
 
     # -- output
 

@@ -27,9 +27,14 @@ import json
 from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
+from functools import lru_cache
+
+from jsonschema import SchemaError
+from jsonschema.exceptions import best_match
+from jsonschema.validators import Draft202012Validator, validator_for
 from llguidance import regex_to_lark
 
-from mtp_serve.engine.grammar import ANY_JSON_OBJECT, Constraint
+from mtp_serve.engine.grammar import ANY_JSON_OBJECT, Constraint, choice_regex
 from mtp_serve.server.errors import bad_request
 from mtp_serve.server.schema_relax import ANNOTATIONS, ServedSchema, resolve_ref, serve_schema
 
@@ -154,6 +159,86 @@ def after_reasoning(c: Constraint, added_tokens: set) -> Constraint:
 
 
 PARAM_END = json.dumps("\n</parameter>\n")
+MANY_OPTIONS = 256  # string enums longer than this are written as one regular expression
+
+
+def _special_texts(added_tokens: set) -> list:
+    return sorted((t for t in added_tokens if t.startswith("<") and t.endswith(">") and len(t) > 2), key=len, reverse=True)
+
+
+def _no_special_text(fn: dict, added_tokens: set, where: str) -> None:
+    """A forced call writes the tool's name, its parameter names and its enum / const / pattern
+    text verbatim; with a special token's text among them (`</tool_call>`, `<|im_end|>`) the call
+    could not be read back (the parser splits at that text): a 400 naming it."""
+    specials = _special_texts(added_tokens)
+    if not specials:
+        return
+
+    def found(text) -> Optional[str]:
+        return next((t for t in specials if isinstance(text, str) and t in text), None)
+
+    def refuse(what: str, token: str):
+        raise bad_request(f"{where}: {what} contains {token!r}, the text of a special token of this model; a forced "
+                          "tool call cannot carry it (rename it, or use tool_choice auto)", "tools", "invalid_tool_schema")
+
+    if found(fn.get("name")):
+        refuse("the function name", found(fn.get("name")))
+
+    def walk(node, path: str):
+        if isinstance(node, list):
+            for k, v in enumerate(node):
+                walk(v, f"{path}/{k}")
+            return
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            here = f"{path}/{key}"
+            if key == "properties" and isinstance(value, dict):
+                for prop in value:
+                    if found(prop):
+                        refuse(f"the parameter name at {here}", found(prop))
+            if key in ("enum", "const", "pattern"):
+                for v in value if isinstance(value, list) else [value]:
+                    if found(v):
+                        refuse(f"{key} at {here}", found(v))
+            walk(value, here)
+
+    walk(fn.get("parameters"), "parameters")
+
+
+@lru_cache(maxsize=2048)
+def _schema_problem(text: str) -> Optional[str]:
+    """Why a tool's parameters (as JSON text) are not a JSON schema (its metaschema says), or None."""
+    schema = json.loads(text)
+    cls = validator_for(schema, default=Draft202012Validator) if isinstance(schema, dict) else Draft202012Validator
+    try:
+        error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))  # no format checks: patterns are ECMA, not Python
+    except (SchemaError, RecursionError, TypeError, ValueError) as e:
+        return str(e)
+    if error is None:
+        return None
+    where = "/" + "/".join(map(str, error.absolute_path))
+    return f"{error.message} at {where}"
+
+
+def check_tools(tools: Optional[List[dict]]) -> None:
+    """Every tool's parameters validated as JSON Schema (the jsonschema package's metaschema
+    check) before any use: a malformed one is a 400 naming the tool and the keyword."""
+    for i, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}]: a function tool needs a name", "tools", "invalid_tool_schema")
+        params = fn.get("parameters")
+        if params is None:
+            continue
+        try:
+            text = json.dumps(params, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"tools[{i}] ({fn['name']!r}): parameters are not JSON: {e}", "tools", "invalid_tool_schema") from e
+        problem = _schema_problem(text)
+        if problem is not None:
+            raise bad_request(f"tools[{i}] ({fn['name']!r}): parameters are not a valid JSON schema: {problem}", "tools",
+                              "invalid_tool_schema")
 
 
 def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bool, added_tokens: set,
@@ -161,6 +246,8 @@ def tool_calls(parser: str, tools: List[dict], name: Optional[str], parallel: bo
     """A forced tool call in the model's format: one (or, with `parallel`, several) of
     `tools` (only `name` when given), arguments following each tool's schema (as served in `mode`)."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    for i, fn in enumerate(fns):
+        _no_special_text(fn, added_tokens, f"tools[{i}]" if name is None else f"tool {fn['name']!r}")
     open_, close = _literal(TOOL_CALL_OPEN, added_tokens), _literal(TOOL_CALL_CLOSE, added_tokens)
     more = ' ("\\n" call)*' if parallel else ""
     rules = ["start: call" + more, "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
@@ -235,7 +322,9 @@ def _xml_value(rule: str, sub: dict, defs: Optional[dict] = None):
             sub = {**defs, **sub}
         return f"%json {json.dumps(sub)} {PARAM_END}", []
     options = sub.get("enum", [sub["const"]] if "const" in sub else None)
-    if options is not None and all(isinstance(o, str) for o in options):
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        if len(options) > MANY_OPTIONS:  # one lexeme: as alternatives, 2,000 would pass llguidance's row limit
+            return f"/{regex_to_lark(choice_regex(options))}/ {PARAM_END}", []
         return "(" + " | ".join(json.dumps(o) for o in options) + f") {PARAM_END}", []
     if "pattern" in sub:
         pattern = sub["pattern"].removeprefix("^").removesuffix("$")
