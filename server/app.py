@@ -3,7 +3,7 @@
     app = create_app(loaded_model, ServerConfig(served_model_name="demo"))
 
 Routes live with their API (`openai_api.py`, `anthropic_api.py`, `responses_api.py`); they share the `Service`
-(`service.py`) and the internal request model (`generation.py`). Errors leave
+(`service.py`), which starts each request's `Run` (`run.py`). Errors leave
 through `errors.py`. Before a route runs: the API key (`auth.py`, before the body
 is read), the body's size (`limits.py`), then the request limits
 (`limits.py`, on the parsed JSON, before validation).
@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mtp_serve.engine.engine_loop import EngineLoop
-from mtp_serve.server import anthropic_api, openai_api, responses_api
+from mtp_serve.server import anthropic_api, openai_api, responses_api, stats_api, web_page
 from mtp_serve.server.auth import APIKeyMiddleware
 from mtp_serve.server.errors import error_body, install_error_handlers
 from mtp_serve.server.limits import BodyLimitMiddleware, check_request
@@ -54,11 +54,15 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
     install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.scope, status))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_bytes, on_reject=svc.metrics.request)
     if config.api_key:  # added last: runs first
-        open_paths = {"/health", "/"} | ({"/metrics"} if config.metrics_without_key else set())
+        # The page's static files are open (a browser cannot send a bearer header when it navigates);
+        # every call the page makes for data sends the key it was given (web_page.py).
+        open_paths = {"/health", "/"} | web_page.OPEN_PATHS | ({"/metrics"} if config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
     app.state.response_store = responses_api.ResponseStore()
     for api in (openai_api, anthropic_api, responses_api):
         app.include_router(api.router, dependencies=[Depends(check_request)])
+    app.include_router(stats_api.router)
+    app.include_router(web_page.router)
 
     @app.get("/health")
     async def health():
@@ -67,14 +71,20 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
         return {"status": "ok", "model": config.served_model_name, "mtp": loaded.mtp_status,
                 "queue_depth": svc.engine.queue_depth, "active": svc.engine.active_count}
 
-    @app.get("/")
-    async def root():
-        """What answers `GET /` and `HEAD /` (clients such as Claude Code probe it): the server and its model."""
+    def describe():
         return {"object": "server", "name": "mtp-serve", "model": config.served_model_name,
                 "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models",
-                              "/health", "/metrics"]}
+                              "/v1/stats", "/health", "/metrics", "/ui"]}
 
-    app.head("/", include_in_schema=False)(root)
+    @app.get("/", responses=web_page.ROOT_RESPONSES)
+    async def root(request: Request):
+        """What answers `GET /`: the web page for a browser (an Accept header naming text/html), else the
+        server and its model as JSON (clients such as Claude Code probe it)."""
+        return web_page.index() if web_page.wants_html(request) else describe()
+
+    @app.head("/", include_in_schema=False)
+    async def root_head():
+        return describe()
 
     @app.get("/metrics", response_class=Response)
     async def metrics():
