@@ -66,6 +66,12 @@ class KVSetting:
         if bad:
             raise ValueError(f"--kv-group-size {self.group_size} does not divide the attention head dimension {bad[0]}")
 
+    def bytes_per_vector(self, dim: int, itemsize: int) -> int:
+        """Bytes one key or value vector of `dim` values takes (compute dtype of `itemsize` bytes)."""
+        if not self.quantized:
+            return dim * itemsize
+        return dim * self.bits // 8 + 2 * (dim // self.group_size) * itemsize  # packed values, scales and biases
+
     def make(self) -> Any:
         """An empty single-row attention cache at this setting."""
         return QuantizedKVCache(self.group_size, self.bits) if self.quantized else KVCache()

@@ -71,6 +71,14 @@ class MTPModel:
         kv.check([self.text.args.head_dim])
         self.kv = kv
 
+    def kv_bytes_per_token(self) -> int:
+        """Attention KV bytes one token adds at the current setting: every attention layer's
+        keys and values, the head's included (at the dtype the layers compute in)."""
+        args = self.text.args
+        layers = sum(not l.is_linear for l in self.layers) + (1 if self.has_mtp else 0)
+        itemsize = self.inner.norm.weight.dtype.size
+        return 2 * layers * args.num_key_value_heads * self.kv.bytes_per_vector(args.head_dim, itemsize)
+
     def use_draft_vocab(self, ids: Optional[List[int]]) -> None:
         """Draft from these token ids only (None: the whole vocabulary)."""
         if ids is None:

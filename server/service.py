@@ -1,6 +1,8 @@
-"""What every route shares: the settings, the model, the engine, the chat format, metrics.
+"""What every route shares: the settings, the model, the engine, the chat format, metrics;
+and the one way a request starts (`start`, which returns its `Run`).
 
     svc = Service(loaded, ServerConfig(served_model_name="demo"))
+    run = svc.start(request, prompt, req, max_tokens=req.max_tokens, options=Options(prompt_param="messages"))
 """
 
 from __future__ import annotations
@@ -10,21 +12,23 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Optional
+from typing import List, Optional
 
-from mtp_serve.engine.engine_loop import EngineLoop, EngineStopped, QueueFull, RequestHandle
+from mtp_serve.engine.engine_loop import EngineLoop, RequestHandle
 from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.prompt_cache import open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
-from mtp_serve.server.chat import ChatFormat, hf_tokenizer
-from mtp_serve.server.errors import APIError, bad_request
-from mtp_serve.server.generation import Generation
+from mtp_serve.models.caches import KVSetting
+from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+from mtp_serve.server.chat import ChatFormat, ChatPrompt
+from mtp_serve.server.errors import APIError, bad_request, engine_refusals
 from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
+from mtp_serve.server.run import Options, Run
+from mtp_serve.server.schemas import SamplingFields
 
 log = logging.getLogger("mtp_serve.server")
 
@@ -49,6 +53,8 @@ class ServerConfig:
     prompt_cache_interval: Optional[int] = None  # tokens between snapshots inside long messages; None: per model; 0: none
     prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: memory only)
     prompt_cache_disk_bytes: Optional[int] = None  # None: half the free space, at most 16 GiB
+    kv_bits: Optional[int] = None  # attention KV quantized to 8 or 4 bits (--kv-bits); None: the compute dtype
+    kv_group_size: int = 64  # --kv-group-size: values per scale and bias along the head dimension
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     limits: Limits = field(default_factory=Limits)  # request size, counts, nesting (limits.py)
     default_max_tokens: Optional[int] = None  # a request without max_tokens: None = the rest of the context
@@ -83,43 +89,6 @@ def longest_token_bytes(tokenizer) -> int:
     return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
-@dataclass
-class Sampling:
-    """The sampling fields of a request, whatever API it came in through (None: the default)."""
-
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = None
-    stop: tuple = ()
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-    logprobs: Optional[int] = None
-    mtp_depth: Optional[int] = None
-
-    @classmethod
-    def of(cls, req, **override) -> "Sampling":
-        """From a request object carrying (some of) these fields under the same names."""
-        names = [k for k in cls.__dataclass_fields__ if k not in override]
-        return cls(**{k: getattr(req, k) for k in names if getattr(req, k, None) is not None}, **override)
-
-
-@contextmanager
-def engine_refusals():
-    """The engine's refusals as HTTP errors: a full queue is a 429, a stopped engine a 503."""
-    try:
-        yield
-    except QueueFull as e:
-        raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
-    except EngineStopped as e:
-        raise APIError(503, str(e), code="engine_stopped", headers={"Retry-After": "5"}) from e
-
-
 class Service:
     def __init__(self, loaded, config: ServerConfig, engine_factory=EngineLoop):
         self.loaded = loaded
@@ -128,6 +97,7 @@ class Service:
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        loaded.model.use_kv(KVSetting(config.kv_bits, config.kv_group_size))  # before any cache is made
         prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
                                          interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
                                          disk_bytes=config.prompt_cache_disk_bytes)
@@ -193,16 +163,16 @@ class Service:
             return room
         return requested
 
-    # -- the internal request
+    # -- runs
 
-    def generation(self, prompt, s: Sampling, *, started: float, prompt_param: str, max_tokens_param: str = "max_tokens",
-                   **options) -> Generation:
-        """Check the prompt's length and build the engine request (sampling defaults from the checkpoint)."""
-        room = self.check_context(len(prompt.ids), prompt_param)
-        max_tokens = self.max_tokens(s.max_tokens, len(prompt.ids), room, max_tokens_param)
-        lowered_from = s.max_tokens if s.max_tokens is not None and s.max_tokens > max_tokens else None
+    def start(self, request, prompt: ChatPrompt, fields: SamplingFields, *, max_tokens: Optional[int], stop: tuple = (),
+              stop_token_ids: tuple = (), logprobs: Optional[int] = None, options: Options = Options()) -> Run:
+        """Check the prompt's length, build the engine's sampling (defaults from the
+        checkpoint's generation_config.json) and submit: the request's one `Run`."""
+        room = self.check_context(len(prompt.ids), options.prompt_param)
+        granted = self.max_tokens(max_tokens, len(prompt.ids), room, options.max_tokens_param)
         d = self.config.sampling_defaults
-        pick = lambda k, fallback: getattr(s, k) if getattr(s, k) is not None else d.get(k, fallback)  # noqa: E731
+        pick = lambda k, fallback: getattr(fields, k) if getattr(fields, k) is not None else d.get(k, fallback)  # noqa: E731
         top_k = pick("top_k", 0)
         try:
             params = SamplingParams(
@@ -213,25 +183,29 @@ class Service:
                 presence_penalty=float(pick("presence_penalty", 0.0)),
                 frequency_penalty=float(pick("frequency_penalty", 0.0)),
                 repetition_penalty=float(pick("repetition_penalty", 1.0)),
-                seed=s.seed,
-                max_tokens=max_tokens,
-                stop=tuple(s.stop),
-                stop_token_ids=tuple(s.stop_token_ids),
-                ignore_eos=s.ignore_eos,
-                logprobs=s.logprobs,
+                seed=fields.seed,
+                max_tokens=granted,
+                stop=tuple(stop),
+                stop_token_ids=tuple(stop_token_ids),
+                ignore_eos=fields.ignore_eos,
+                logprobs=logprobs,
                 constraint=self.chat.engine_constraint(prompt),
             )
         except ValueError as e:
             raise bad_request(str(e)) from e
-        depth = s.mtp_depth if s.mtp_depth is not None else self.config.mtp_depth
-        return Generation(prompt, params, depth, started=started, max_tokens_lowered_from=lowered_from, **options)
-
-    def submit(self, gen: Generation) -> RequestHandle:
-        return self.submit_ids(gen.prompt.ids, gen.first_params, gen.depth, gen.prompt.checkpoints)
+        if options.reasoning_budget is None and fields.thinking_token_budget is not None:
+            options = replace(options, reasoning_budget=fields.thinking_token_budget)
+        return Run(prompt, params, fields.mtp_depth if fields.mtp_depth is not None else self.config.mtp_depth, options,
+                   request, self.submit_ids, self.chat.output_parser, self.encode, self.metrics,
+                   started=getattr(request.state, "started", None) or time.perf_counter(),
+                   lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
 
     def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
         with engine_refusals():
             return self.engine.submit(ids, params, depth, checkpoints)
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def engine_job(self, make_steps):
         """Work on the engine thread beside the requests (engine_loop.Job), e.g. scoring a prompt."""

@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-dir", metavar="DIR", help="keep snapshots on disk too, in DIR: they survive restarts")
     p.add_argument("--prompt-cache-disk-bytes", type=byte_size, metavar="SIZE",
                    help="most disk space for --prompt-cache-dir (default: half the free space, at most 16G)")
+    p.add_argument("--kv-bits", type=int, choices=(8, 4),
+                   help="quantize every attention cache (the backbone's and the MTP head's) to 8 or 4 bits: about "
+                        "half / a quarter of the KV bytes of bf16 (a quarter / an eighth of fp32), so the prompt cache "
+                        "holds more conversations; MTP stays exact against plain decoding at the same setting "
+                        "(default: the compute dtype)")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
+                   help="with --kv-bits: values per scale and bias along the head dimension")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
@@ -146,6 +153,12 @@ def main(argv=None) -> int:
         mtp = loaded.mtp_status.replace("MTP off:", "MTP off (requested with --enable-mtp, but") + ")"
     else:
         mtp = "MTP off (start with --enable-mtp to use the model's MTP head)" if "no mtp" not in loaded.mtp_status.lower() else loaded.mtp_status
+    from mtp_serve.models.caches import KVSetting
+
+    try:
+        KVSetting(args.kv_bits, args.kv_group_size).check([loaded.model.text.args.head_dim])
+    except ValueError as e:
+        return error(str(e))
     is_repo_id = bool(args.model) and not Path(args.model).expanduser().exists()
     name = args.served_model_name or (args.model if is_repo_id else loaded.path.name)
     config = ServerConfig(
@@ -164,6 +177,8 @@ def main(argv=None) -> int:
         prompt_cache_interval=args.prompt_cache_interval,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         sampling_defaults=generation_defaults(loaded.path),
         limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
@@ -181,6 +196,7 @@ def main(argv=None) -> int:
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
+          f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token); "
           f"{BACKEND.note}", flush=True)
     if loaded.mtp_fix:
         print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
