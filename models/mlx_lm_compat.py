@@ -136,7 +136,6 @@ gather_last_axis = _base.gather_last_axis
 KVCache = _cache.KVCache
 BatchKVCache = _cache.BatchKVCache
 QuantizedKVCache = _cache.QuantizedKVCache
-quantized_scaled_dot_product_attention = _base.quantized_scaled_dot_product_attention
 ArraysCache = _cache.ArraysCache
 
 apply_top_k = _sample_utils.apply_top_k
