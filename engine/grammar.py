@@ -135,9 +135,8 @@ class GrammarBudget:
     The llguidance limits also bound every later mask step (its lexer fuel and items per step)."""
 
     max_source_bytes: int = 4 << 20  # the constraint's text (schema, regex, grammar)
-    max_seconds: float = 10.0  # compiling, the first mask and the probe together
-    probe_tokens: int = 256  # forced tokens consumed by the probe (per step)
-    probe_steps: int = 4  # steps of the probe (forced tokens, or one allowed token)
+    max_seconds: float = 5.0  # compiling, the first mask and the probe together
+    probe_steps: int = 4  # tokens the probe takes (each the first the mask allows)
 
     def limits(self) -> "llguidance.LLParserLimits":
         return llguidance.LLParserLimits(verbose_errors=False)  # llguidance's defaults, short messages
@@ -185,7 +184,7 @@ class _TextTokenizer:
     def __call__(self, s) -> List[int]:
         if isinstance(s, bytes):
             s = s.decode("utf-8", "surrogateescape")
-        return self._text.encode(s, add_special_tokens=False).ids
+        return self._text.encode_batch([s], add_special_tokens=False)[0].ids  # (the batch call drops the GIL)
 
 
 class GrammarCompiler:
@@ -258,22 +257,21 @@ class GrammarCompiler:
         return p
 
     def _probe(self, c: Constraint, m: "llguidance.LLMatcher", bits) -> None:
-        """The first steps as the engine would take them: the tokens the grammar forces (where
-        llguidance's limits show: an unbounded forced sequence, a lexer that explodes), else one
-        allowed token. A failure is the constraint's, refused before the request runs."""
-        for _ in range(self.budget.probe_steps):
+        """The first steps as the engine would take them (a mask, then one allowed token), where
+        llguidance's limits show up (an unbounded forced sequence: "Too many items ... ff_tokens";
+        a lexer that explodes: "too many expressions constructed"). A failure is the
+        constraint's, refused before the request runs."""
+        for step in range(self.budget.probe_steps):
             if m.is_stopped():
                 return
-            forced = m.compute_ff_tokens()[: self.budget.probe_tokens]
-            if not forced:
+            if step:
                 fill_next_token_bitmask(m, bits, 0)
-                allowed = np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: self.vocab_size])
-                allowed = [t for t in allowed.tolist() if t not in self.eos]
-                if not allowed:
-                    return
-                forced = allowed[:1]
-            if m.is_error() or not m.consume_tokens(forced) or m.is_error():
+            allowed = np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: self.vocab_size])
+            token = next((t for t in allowed.tolist() if t not in self.eos), None)
+            if m.is_error() or (token is not None and not m.consume_token(token)) or m.is_error():
                 raise GrammarError(_message(c.kind, m.get_error()))
+            if token is None:
+                return
 
     def check(self, c: Constraint) -> None:
         """Prepare `c` and keep the result on it for the engine (`matcher`)."""
