@@ -36,6 +36,8 @@ from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.models.demo_model import default_model_path
 from mtp_serve.models.loader import load_model
 
+from common import progress
+
 PROMPTS = [
     "import os\nimport sys\n\ndef main(argv):\n    ",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
@@ -166,7 +168,7 @@ def main() -> None:
         for fn in (lambda: run(lm, prompts, args.max_tokens, depth, policy, 8),
                    lambda: run(lm, prompts, args.max_tokens, 0, DepthPolicy(max_depth=0), 8)):
             fn()
-        for _ in range(args.repeats):
+        for _ in progress(range(args.repeats), f"concurrency {c}: repeats"):
             for name, fn in (
                 ("batched_mtp", lambda: run(lm, prompts, args.max_tokens, depth, policy, 8)),
                 ("batched_plain", lambda: run(lm, prompts, args.max_tokens, 0, DepthPolicy(max_depth=0), 8)),

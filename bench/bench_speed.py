@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from bench_round import time_rounds
-from common import REPO, RunResult, environment, fp32, load_prompts, median, n_params, one_line, pc, write_json
+from common import REPO, RunResult, environment, fp32, load_prompts, median, n_params, one_line, pc, progress, write_json
 from cost_model import cost_ratios, measure_costs
 from mtp_serve import BACKEND
 from mtp_serve.backend import set_blas_threads
@@ -285,7 +285,7 @@ def run_decode(args) -> dict:
         k = i % len(active)
         order = active[k:] + active[:k]
         line = []
-        for m in order:
+        for m in progress(order, f"prompt {i + 1}/{len(prompts)}: modes"):
             r = safe_run(m, prompt)
             if r is not None:
                 runs[m.name].append(r)

@@ -38,6 +38,14 @@ def n_params(m) -> int:
     return sum(v.size for _, v in tree_flatten(m.parameters()))
 
 
+def progress(items, label: str, total=None):
+    """`items`, with a counter and the time left redrawn on stderr while a long run goes on;
+    nothing extra when output is not a terminal (`MTP_PROGRESS=0/1` forces it)."""
+    from mtp_serve.cli.progress import progress as shown
+
+    return shown(items, label, total)
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

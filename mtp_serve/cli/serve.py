@@ -130,10 +130,14 @@ def main(argv=None) -> int:
         if refused:
             return error(refused)
         args.prompt_cache_bytes = 0
+    from mtp_serve.cli.progress import hub_progress, stage
+
+    hub_progress()  # download bars on a terminal only
     try:
         model_path = args.model or default_model_path()
-        loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
-                            split=group.split if group else None)
+        with stage(f"loading {model_path}"):
+            loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
+                                split=group.split if group else None)
     except FileNotFoundError as e:
         return error(str(e))
     except (CheckpointError, ShardingError) as e:
@@ -198,6 +202,8 @@ def main(argv=None) -> int:
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token); "
           f"{BACKEND.note}", flush=True)
+    print(f"mtp-serve: web page (playground, live charts, MTP off/on side by side) at http://{args.host}:{args.port}/",
+          flush=True)
     if loaded.mtp_fix:
         print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
               flush=True)
@@ -209,8 +215,10 @@ def main(argv=None) -> int:
         log.info("warm-up on %d ranks took %.1fs", group.link.size, svc.engine.warm_up(depth))
     else:
         try:
-            log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
-            threads = calibrate_blas_threads(loaded.model, loaded.tokenizer, depth)
+            with stage("warming up the decode paths (compiling kernels on a first start)"):
+                log.info("warm-up took %.1fs", warm_up(loaded.model, loaded.tokenizer, depth))
+            with stage("timing decode matmuls on one thread and on all"):
+                threads = calibrate_blas_threads(loaded.model, loaded.tokenizer, depth)
             log.info("%s (measured)", decode_matmuls_note(threads))
         except Exception as e:  # noqa: BLE001 - a failed warm-up is not fatal: the first request pays instead
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)

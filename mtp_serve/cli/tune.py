@@ -33,6 +33,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from mtp_serve import BACKEND
 from mtp_serve.cli.common import OneLineParser, encode_prompt, fail
+from mtp_serve.cli.progress import hub_progress, stage, tensor_writes
+from mtp_serve.cli.progress import progress as show_progress
 
 # (text, wrap in the chat template): code, as agents and the demo model write it, and chat.
 PROMPTS: Tuple[Tuple[str, bool], ...] = (
@@ -141,17 +143,18 @@ def measure(lm, max_depth: int, max_tokens: int, repeats: int, progress: Callabl
         return [t for c in chunks for t in c.token_ids], chunks[-1].stats.as_dict()
 
     progress("warming up (the first run on a machine also compiles kernels)")
-    for depth in modes:  # compile every path once, untimed
-        run(depth, prompts[0], 8)
-    calibrate_blas_threads(lm.model, lm.tokenizer, max_depth)  # as mtp-serve does at start-up
+    with stage("warming up every decode path, then timing decode matmuls"):
+        for depth in modes:  # compile every path once, untimed
+            run(depth, prompts[0], 8)
+        calibrate_blas_threads(lm.model, lm.tokenizer, max_depth)  # as mtp-serve does at start-up
     for r in range(repeats):
         order = list(modes) if r % 2 == 0 else list(reversed(modes))
         progress(f"repeat {r + 1}/{repeats}")
-        for i, prompt in enumerate(prompts):
-            for depth in order:
-                ids, stats = run(depth, prompt)
-                modes[depth].add(i, stats)
-                modes[depth].outputs.setdefault(i, ids)
+        runs = [(i, prompt, depth) for i, prompt in enumerate(prompts) for depth in order]
+        for i, prompt, depth in show_progress(runs, f"    repeat {r + 1}/{repeats}: runs"):
+            ids, stats = run(depth, prompt)
+            modes[depth].add(i, stats)
+            modes[depth].outputs.setdefault(i, ids)
     return Measurement(modes, max_tokens, repeats)
 
 
@@ -310,8 +313,10 @@ def run_command(prog: str, parser: argparse.ArgumentParser, argv, body: Callable
     problem = check_tune_arguments(args)
     if problem:
         return fail(prog, problem)
+    hub_progress()  # download bars on a terminal only
     try:
-        return body(args)
+        with tensor_writes():  # each shard named while it is written (on a terminal)
+            return body(args)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         return fail(prog, str(e))
 

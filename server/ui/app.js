@@ -321,10 +321,11 @@ async function send(text) {
   state.abort = new AbortController();
   setBusy(true);
   const seen = [];
+  let deltas = 0;  // content pieces as they streamed in (the tests read it)
   try {
     const reply = await streamChat(messages, body, {
       reasoning: (t) => { reasoning.hidden = false; reasoningText.textContent += t; scrollDown(); },
-      content: (t) => { content.textContent += t; scrollDown(); },
+      content: (t) => { content.textContent += t; bubble.dataset.deltas = String(++deltas); scrollDown(); },
       toolCall: (i, call) => { seen[i] = call; calls.replaceChildren(...seen.filter(Boolean).map(toolCallBox)); scrollDown(); },
     }, state.abort.signal);
     calls.replaceChildren(...reply.toolCalls.filter(Boolean).map(toolCallBox));
