@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs mtp-serve and everything it needs on a fresh machine.
 #   ./install.sh           the server (Python package, OpenBLAS on Linux)
-#   ./install.sh --test    also the test tools (pytest, openai, anthropic, scipy, schemathesis) and the agents the
+#   ./install.sh --test    also the test tools (pytest, openai, anthropic, scipy, schemathesis, playwright with
+#                          Debian's chromium) and the agents the
 #                          end-to-end tests drive, from npm: opencode, Claude Code, Codex CLI
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,6 +33,15 @@ fi
 
 if [ "$want_test" = 1 ]; then
   python3 -m pip install -q -e ".[test]"
+  # The web page's tests drive Debian's chromium with playwright (pip); no browser is downloaded.
+  if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    if command -v apt-get >/dev/null; then
+      $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+    else
+      echo "install.sh: install chromium with your package manager for the web page's tests (tests/test_web_page.py)" >&2
+    fi
+  fi
   if command -v npm >/dev/null; then
     # One folder per agent under .work/ (where tests/npm_clients.py looks): dir, binary, package.
     for agent in "opencode opencode opencode-ai" "claude claude @anthropic-ai/claude-code" "codex codex @openai/codex"; do
