@@ -62,7 +62,7 @@ from .engine_loop import EngineLoop, EngineStopped
 from .grammar import Constraint
 from .policy import DepthPolicy
 from .sampling import Rng, SamplingParams, random_seed
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerLike
 from .speculative import Accepted, Drafts, accept, draft
 
 log = logging.getLogger("mtp_serve.distributed")
@@ -272,9 +272,7 @@ class FollowerSync:
         rows = batch.rows
         if not self.local:  # (no masks: this rank does not score the window)
             tokens = self.link.take("drafts") if shared else None
-            n = len(rows)
-            return Drafts(depths, mx.array(tokens) if tokens else None, [None] * n, [None] * n, [None] * n,
-                          [s.grammar.consumed if s.grammar is not None else 0 for s in rows])
+            return Drafts.given(rows, depths, mx.array(tokens) if tokens else None)
         drafts = draft(model, batch, depths)
         if shared:
             mine = drafts.tokens.tolist() if drafts.tokens is not None else None  # runs this rank's part first
@@ -301,7 +299,7 @@ class FollowerSync:
 # ---------------------------------------------------------------- rank 0
 
 
-class Leader:
+class Leader(SchedulerLike):
     """Rank 0's scheduler as the engine loop sees it: calls pass through to the
     `Scheduler`, and what the other ranks need to follow goes out on the link."""
 

@@ -37,7 +37,7 @@ from .memory import release_idle_memory
 from .policy import DepthPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerLike
 
 log = logging.getLogger("mtp_serve.engine")
 
@@ -118,7 +118,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self.max_active = max_active
         self.prompt_cache = prompt_cache
-        self.scheduler = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
+        self.scheduler: SchedulerLike = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
                                    prompt_cache=prompt_cache, policy=policy)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)

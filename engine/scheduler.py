@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Protocol, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
 
@@ -31,13 +31,30 @@ from .prefill import prefill
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
-from .speculative import run_round
+from .speculative import RoundSync, run_round
 
 log = logging.getLogger("mtp_serve.engine")
 _COMPILER_LOCK = threading.Lock()
 
 
-class Scheduler:
+class SchedulerLike(Protocol):
+    """What the engine loop drives: the `Scheduler`, or rank 0's `Leader` around it
+    (serving across ranks, `distributed.py`)."""
+
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None: ...
+
+    def cancel(self, key: Hashable) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> Iterator[Tuple[Hashable, object]]: ...
+
+    def grammar_compiler(self) -> GrammarCompiler: ...
+
+    def drop_all(self) -> None: ...
+
+
+class Scheduler(SchedulerLike):
     def __init__(
         self,
         model: MTPModel,
@@ -47,7 +64,7 @@ class Scheduler:
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
-        sync=None,
+        sync: Optional[RoundSync] = None,
     ):
         self.model = model
         self.tokenizer = tokenizer

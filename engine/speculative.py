@@ -38,7 +38,7 @@ commit rolls it back over the rejected ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Protocol
 
 import mlx.core as mx
 
@@ -78,6 +78,14 @@ class Drafts:
         """Verify window: the primary plus the longest row's drafts."""
         return max(self.depths) + 1
 
+    @classmethod
+    def given(cls, rows: List[Sequence], depths: List[int], tokens: Optional[mx.array]) -> "Drafts":
+        """Drafts decided elsewhere (rank 0, serving across ranks): tokens only, no
+        draft scores, noise or masks; each grammar where it stands."""
+        n = len(rows)
+        return cls(depths, tokens, [None] * n, [None] * n, [None] * n,
+                   [s.grammar.consumed if s.grammar is not None else 0 for s in rows])
+
 
 @dataclass
 class Verified:
@@ -97,7 +105,21 @@ class Accepted:
         return self.tokens[i], self.verified.p[i][: self.counts[i] + 1]
 
 
-def run_round(model: MTPModel, batch: Batch, depths: List[int], sync=None) -> Accepted:
+class RoundSync(Protocol):
+    """The hooks through which ranks serving one model agree (`distributed.py`): rank 0
+    decides as usual and shares (`LeaderSync`), the other ranks take its decisions
+    (`FollowerSync`). The scheduler calls them at each decision a rank could make alone."""
+
+    def first_token(self, seq: Sequence, emitted: Emitted) -> Emitted: ...
+
+    def depths(self, rows: List[Sequence], depths: List[int]) -> List[int]: ...
+
+    def draft(self, model: MTPModel, batch: Batch, depths: List[int]) -> Drafts: ...
+
+    def accept(self, verified: Verified, rows: List[Sequence]) -> Accepted: ...
+
+
+def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[RoundSync] = None) -> Accepted:
     """With `sync` (serving across ranks, `distributed.py`), rank 0's drafts and
     accept decisions are shared and the other ranks use them."""
     drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths)

@@ -191,7 +191,7 @@ def _cast(head: Dict[str, mx.array], dtype: Optional[str]) -> Dict[str, mx.array
 
 def _quantize(head: Dict[str, mx.array], config: dict, quantization: dict) -> Dict[str, mx.array]:
     """Quantize the head with mlx-lm's own quantizer and the body's settings."""
-    from mlx_lm.utils import quantize_model
+    from mtp_serve.models.mlx_lm_compat import quantize_model
 
     module, model = empty_head(config)
     module.load_weights(list(head.items()))

@@ -176,3 +176,22 @@ def shard_decoder_layers(layers, group) -> None:
     qwen3_5.Model.shard(only_layers, group)
 Qwen3NextMLP = qwen3_next.Qwen3NextMLP
 Qwen3NextRMSNormGated = qwen3_next.Qwen3NextRMSNormGated
+
+
+# -- conversion and quantization (mtp-convert, mtp-graft): mlx-lm's converter and quantizer
+
+quantize_model = _utils.quantize_model
+
+
+def conversion_choices() -> tuple:
+    """(dtypes, mixed-bit recipes) mlx-lm's converter accepts."""
+    from mlx_lm.convert import MODEL_CONVERSION_DTYPES, QUANT_RECIPES  # imported on use: mtp-convert only
+
+    return MODEL_CONVERSION_DTYPES, QUANT_RECIPES
+
+
+def convert(*args, **kwargs):
+    """mlx-lm's `convert` (Hugging Face checkpoint -> MLX, optionally quantized)."""
+    from mlx_lm.convert import convert as _convert
+
+    return _convert(*args, **kwargs)

@@ -39,6 +39,7 @@ from jinja2 import TemplateError
 
 from mtp_serve.engine.grammar import Constraint
 from mtp_serve.engine.memory import trim_heap
+from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 from mtp_serve.server import constraints
 from mtp_serve.server.errors import bad_request
 from mtp_serve.server.parsers import (
@@ -67,10 +68,6 @@ class ChatPrompt:
     def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = ()) -> "ChatPrompt":
         """A prompt given as text or ids (/v1/completions): the output is not parsed."""
         return cls("", ids, constraint, False, "none", None, checkpoints)
-
-
-def hf_tokenizer(tokenizer):
-    return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
 # Tokenizing a few MB leaves hundreds of MB freed but held by the C heap (tokenizers'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mtp_serve.engine.engine_loop import EngineError, EngineStopped
+from mtp_serve.engine.engine_loop import EngineError, EngineStopped, QueueFull
 
 log = logging.getLogger("mtp_serve.server")
 
@@ -180,3 +181,14 @@ def internal_error(exc: BaseException, where: str) -> str:
     ref = uuid.uuid4().hex[:12]
     log.error("internal error %s on %s: %s: %s", ref, where, type(exc).__name__, exc, exc_info=exc)
     return f"The server failed to process the request (internal error {ref}; see the server log)"
+
+
+@contextmanager
+def engine_refusals():
+    """The engine's refusals as HTTP errors: a full queue is a 429, a stopped engine a 503."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(429, f"{e}; retry shortly", code="queue_full", headers={"Retry-After": "1"}) from e
+    except EngineStopped as e:
+        raise APIError(503, str(e), code="engine_stopped", headers={"Retry-After": "5"}) from e

@@ -16,6 +16,7 @@ the context is refused before it is rendered and tokenized.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -115,7 +116,9 @@ def _check_counts(body: dict, limits: Limits) -> None:
 
 async def check_request(request: Request) -> None:
     """Router dependency: runs after FastAPI parsed the JSON, before it validates it.
-    The walk runs on the tokenizer threads (a large body would hold the event loop)."""
+    The walk runs on the tokenizer threads (a large body would hold the event loop).
+    It also stamps the request's arrival (`request.state.started`: time to first token)."""
+    request.state.started = time.perf_counter()
     if request.method != "POST":
         return
     try:

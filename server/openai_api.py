@@ -1,14 +1,14 @@
 """OpenAI chat completions and completions: adapters over the internal request model.
 
-Each route converts the request into a `Generation` (prompt ids, sampling,
-depth, parser configuration), runs it with `generation.complete` or
-`generation.stream_steps`, and builds the wire format with `openai_format`.
+Each route renders the prompt, starts its `Run` (`svc.start`), and turns the
+run's `Completion` or `Step`s into the wire format with `openai_format`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import List
 
 from fastapi import APIRouter, Request
@@ -16,13 +16,12 @@ from fastapi import APIRouter, Request
 from mtp_serve.engine import scoring
 from mtp_serve.server import constraints
 from mtp_serve.server import openai_format as fmt
-from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
 from mtp_serve.server.errors import bad_request, failure_body
-from mtp_serve.server.generation import Generation, complete, engine_chunks, finish_reason, parse_output, stream_steps
-from mtp_serve.server.parsers import collect
+from mtp_serve.server.parsers import prompt_opens_reasoning
+from mtp_serve.server.run import Options, Run, Usage, respond
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from mtp_serve.server.service import Sampling, Service
+from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
 
 router = APIRouter()
@@ -62,36 +61,31 @@ def schema_mode(svc: Service, req) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
-    started = time.perf_counter()
     svc: Service = request.app.state.service
     check_common(svc, req)
     prompt = await svc.run_cpu(render_chat, svc, req)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = Sampling.of(req, max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop_list, logprobs=top)
-    gen = svc.generation(prompt, sampling, started=started, prompt_param="messages", parallel_tool_calls=req.parallel_tool_calls)
-    handle = svc.submit(gen)
+    run = svc.start(request, prompt, req, max_tokens=req.max_completion_tokens or req.max_tokens, stop=req.stop_list,
+                    stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=top,
+                    options=Options(parallel_tool_calls=req.parallel_tool_calls,
+                                    max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens"))
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), svc.config.served_model_name
     if req.stream:
-        return openai_stream(svc, chat_stream(svc, gen, handle, request, rid, created, include_usage(req)), request.scope)
-    done = await complete(svc, gen, handle, request)
-    parsed = parse_output(svc, gen, done.text)
-    svc.metrics.request(request.scope, 200)
+        return openai_stream(svc, chat_stream(svc, run, rid, created, include_usage(req)), request.scope)
+    done = await run.complete()
     logprobs = fmt.chat_logprobs(done.logprobs, svc.token_text) if top is not None else None
-    report = structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls, done.finish_reason)
-    return structured.respond(fmt.chat_body(rid, created, model, fmt.chat_message(parsed), logprobs,
-                         finish_reason(done.finish_reason, bool(parsed.tool_calls)), {**fmt.usage(done.stats, len(gen.prompt.ids)), **gen.budget_note}), report)
+    body = fmt.chat_body(rid, created, model, fmt.chat_message(done.parsed), logprobs, done.finish_reason, fmt.usage(done.usage))
+    return run.respond(body, done.report)
 
 
-async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool):
+async def chat_stream(svc: Service, run: Run, rid: str, created: int, with_usage: bool):
     model = svc.config.served_model_name
 
     def chunk(delta, **kw):
         return fmt.chat_chunk(rid, created, model, delta, include_usage=with_usage, **kw)
 
     yield chunk({"role": "assistant", "content": ""})
-    events = []  # for the structured_output report
-    async for step in stream_steps(svc, gen, handle, request):
-        events += step.events
+    async for step in run.steps():
         deltas = [fmt.event_delta(ev) for ev in step.events]
         c = step.chunk
         lp = fmt.chat_logprobs(c.logprobs, svc.token_text) if c is not None and c.logprobs else None
@@ -100,16 +94,10 @@ async def chat_stream(svc: Service, gen: Generation, handle, request, rid: str, 
         for i, d in enumerate(deltas):
             yield chunk(d, logprobs=lp if i == 0 else None)
         if step.finish_reason:
-            report = stream_report(gen, collect(events), step.finish_reason)
-            yield chunk({}, finish=step.finish_reason, **({} if with_usage or report is None else {"structured_output": report}))
+            report = {} if step.report is None else {"structured_output": step.report}
+            yield chunk({}, finish=step.finish_reason, **({} if with_usage else report))
             if with_usage:
-                yield chunk(None, usage_={**fmt.usage(c.stats, len(gen.prompt.ids)), **gen.budget_note},
-                            **({} if report is None else {"structured_output": report}))
-
-
-def stream_report(gen: Generation, parsed, finish: str):
-    """A stream's structured_output report: on its last chunk (the usage chunk when there is one)."""
-    return structured.output_report(gen.prompt.constraint, parsed.content, parsed.tool_calls, "length" if finish == "length" else "stop")
+                yield chunk(None, usage_=fmt.usage(step.usage), **report)
 
 
 # ---------------------------------------------------------------- completions
@@ -117,7 +105,6 @@ def stream_report(gen: Generation, parsed, finish: str):
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
-    started = time.perf_counter()
     svc: Service = request.app.state.service
     check_common(svc, req)
     if req.suffix:
@@ -132,23 +119,23 @@ async def completions(req: CompletionRequest, request: Request):
     scored = await prompt_logprobs(svc, ids, req.logprobs) if req.echo and req.logprobs is not None else None
     if req.max_tokens == 0:  # nothing to generate: the prompt (and its scores) alone
         svc.check_context(len(ids), "prompt")
-        svc.metrics.request(request.scope, 200)
         if req.stream:
             return openai_stream(svc, scored_stream(rid, created, model, echo, scored, len(ids), include_usage(req)), request.scope)
-        return fmt.completion_body(rid, created, model, echo, "length", scored, fmt.usage(None, len(ids)))
-    sampling = Sampling.of(req, stop=req.stop_list)
-    gen = svc.generation(ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids)), sampling, started=started, prompt_param="prompt")
-    handle = svc.submit(gen)
+        return respond(svc.metrics, request.scope, fmt.completion_body(rid, created, model, echo, "length", scored,
+                                                                       fmt.usage(Usage.of(None, len(ids)))))
+    prompt = ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids))
+    if req.thinking_token_budget is not None:  # the budget counts from a think block the prompt opens
+        prompt = replace(prompt, opens_reasoning=svc.chat.reasoning_parser != "none" and prompt_opens_reasoning(svc.tokenizer.decode(ids)))
+    run = svc.start(request, prompt, req, max_tokens=req.max_tokens, stop=req.stop_list,
+                    stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.logprobs,
+                    options=Options(parse=False, prompt_param="prompt"))
     if req.stream:
-        events = completion_stream(svc, gen, handle, request, rid, created, include_usage(req), echo, scored)
-        return openai_stream(svc, events, request.scope)
-    done = await complete(svc, gen, handle, request)
-    svc.metrics.request(request.scope, 200)
+        return openai_stream(svc, completion_stream(svc, run, rid, created, include_usage(req), echo, scored), request.scope)
+    done = await run.complete()
     logprobs = fmt.completion_logprobs(done.logprobs, len(echo), svc.token_text) if req.logprobs is not None else None
-    report = structured.output_report(constraint, done.text, [], done.finish_reason)
-    return structured.respond(fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason,
-                                                  fmt.joined_logprobs(scored, logprobs),
-                                                  {**fmt.usage(done.stats, len(ids)), **gen.budget_note}), report)
+    body = fmt.completion_body(rid, created, model, echo + done.text, done.finish_reason, fmt.joined_logprobs(scored, logprobs),
+                               fmt.usage(done.usage))
+    return run.respond(body, done.report)
 
 
 async def prompt_logprobs(svc: Service, ids: List[int], top_n: int) -> dict:
@@ -167,11 +154,10 @@ async def scored_stream(rid: str, created: int, model: str, echo: str, scored, n
     yield chunk(echo, logprobs=scored)
     yield chunk("", finish="length")
     if with_usage:
-        yield chunk(None, usage_=fmt.usage(None, n_prompt))
+        yield chunk(None, usage_=fmt.usage(Usage.of(None, n_prompt)))
 
 
-async def completion_stream(svc: Service, gen: Generation, handle, request, rid: str, created: int, with_usage: bool, echo: str,
-                            scored=None):
+async def completion_stream(svc: Service, run: Run, rid: str, created: int, with_usage: bool, echo: str, scored=None):
     model = svc.config.served_model_name
 
     def chunk(text, **kw):
@@ -180,19 +166,17 @@ async def completion_stream(svc: Service, gen: Generation, handle, request, rid:
     offset = len(echo)
     if echo:
         yield chunk(echo, logprobs=scored)
-    text = []  # for the structured_output report
-    async for c in engine_chunks(svc, gen, handle, request, watch_disconnect=False):
+    async for step in run.steps():
+        c = step.chunk
         lp = fmt.completion_logprobs(c.logprobs, offset, svc.token_text) if c.logprobs else None
         offset += len(c.text)
-        text.append(c.text)
         if c.text or lp is not None:
             yield chunk(c.text, logprobs=lp)
-        if c.finish_reason:
-            report = structured.output_report(gen.prompt.constraint, "".join(text), [], c.finish_reason)
-            extra = {} if report is None else {"structured_output": report}
-            yield chunk("", finish=c.finish_reason, **({} if with_usage else extra))
+        if step.finish_reason:
+            report = {} if step.report is None else {"structured_output": step.report}
+            yield chunk("", finish=step.finish_reason, **({} if with_usage else report))
             if with_usage:
-                yield chunk(None, usage_={**fmt.usage(c.stats, len(gen.prompt.ids)), **gen.budget_note}, **extra)
+                yield chunk(None, usage_=fmt.usage(step.usage), **report)
 
 
 def completion_prompt_ids(encoder: PromptEncoder, prompt, vocab: int) -> List[int]:

@@ -7,25 +7,16 @@ import json
 from typing import Callable, Optional
 
 from mtp_serve.server.parsers import ContentDelta, Event, ParsedOutput, ReasoningDelta, ToolCallStart
+from mtp_serve.server.run import Usage
 
-SPECULATIVE_KEYS = ("depth", "drafted", "accepted", "acceptance_rate", "drafted_per_position", "accepted_per_position",
-                    "tokens_per_pass")
-
-
-def speculative(stats) -> dict:
-    """The MTP figures of one request (an extra usage field in every API)."""
-    s = stats.as_dict() if stats is not None else {}
-    return {k: s.get(k) for k in SPECULATIVE_KEYS}
-
-
-def usage(stats, n_prompt: int) -> dict:
-    completion = stats.generated_tokens if stats is not None else 0
+def usage(u: Usage) -> dict:
     return {
-        "prompt_tokens": n_prompt,
-        "completion_tokens": completion,
-        "total_tokens": n_prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0},
-        "speculative": speculative(stats),
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.output_tokens,
+        "total_tokens": u.prompt_tokens + u.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "speculative": u.speculative,
+        **u.note,
     }
 
 

@@ -23,46 +23,109 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mtp_serve.server import constraints
 from mtp_serve.server.errors import APIError, bad_request
-from mtp_serve.server.schemas import STRICT, RepetitionPenalty, Seed
-from mtp_serve.server.generation import Generation, complete, parse_output, stream_steps
-from mtp_serve.server import constraints, structured
-from mtp_serve.server.openai_format import speculative
-from mtp_serve.server.parsers import ContentDelta, ParsedOutput, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
-from mtp_serve.server.service import Sampling, Service
+from mtp_serve.server.parsers import ParsedOutput
+from mtp_serve.server.run import Options, Run, Usage
+from mtp_serve.server.schemas import STRICT, SamplingFields
+from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
+from mtp_serve.server.translate import BlockEvent, Blocks, flatten_text, function_tool
 
 router = APIRouter()
 STORE_ENTRIES = 512  # stored responses kept (least recently used go first)
 
 
-class ResponsesRequest(BaseModel):
+class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", **STRICT)
+
+
+class TextConfig(_Model):
+    format: Optional[Dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema", ...}
+
+
+class ReasoningConfig(_Model):
+    effort: Optional[str] = None  # none / minimal: the template's thinking off
+    summary: Optional[str] = None
+
+
+class ResponsesRequest(SamplingFields):
     model: Optional[str] = None
-    input: Union[str, List[Dict[str, Any]]]
+    input: Union[str, List[Dict[str, Any]]]  # items: validated one by one by type (ITEMS)
     instructions: Optional[str] = None
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[List[Dict[str, Any]]] = None  # validated by type (TOOLS); hosted tools are left out
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: bool = True
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    text: Optional[Dict[str, Any]] = None
-    reasoning: Optional[Dict[str, Any]] = None
+    text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
     stream: bool = False
     store: bool = True
     previous_response_id: Optional[str] = None
     metadata: Optional[Dict[str, Any]] = None
-    # mtp-serve extras (extra_body), as on /v1/chat/completions
-    top_k: Optional[int] = Field(default=None, ge=-1)
-    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[RepetitionPenalty] = None
-    seed: Optional[Seed] = None
-    mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
-    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
-    ignore_eos: bool = False
+
+
+# Input items, by type. Content parts are checked by translate.flatten_text.
+
+
+class MessageItem(_Model):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, List[Dict[str, Any]]]
+
+
+class FunctionCallItem(_Model):
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(_Model):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, List[Dict[str, Any]]]
+
+
+class ReasoningText(_Model):
+    type: Optional[str] = None
+    text: str
+
+
+class ReasoningItem(_Model):
+    type: Literal["reasoning"]
+    content: Optional[List[ReasoningText]] = None
+    summary: List[ReasoningText] = []
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
+
+
+class FunctionTool(_Model):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class NamespaceTool(_Model):
+    type: Literal["namespace"]
+    name: Optional[str] = None
+    tools: List[FunctionTool]
+
+
+def validated(model, value: Any, param: str):
+    """`value` as `model`, or a 400 naming the first wrong field."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join([param, *(str(p) for p in first["loc"])])
+        raise bad_request(f"{where}: {first['msg']}", where) from e
 
 
 class ResponseStore:
@@ -88,21 +151,6 @@ class ResponseStore:
 # ---------------------------------------------------------------- request -> template messages
 
 
-def _text_parts(content, where: str, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for k, part in enumerate(content if isinstance(content, list) else []):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            parts.append(part["text"])
-        elif kind in ("input_image", "input_file"):
-            raise bad_request(f"{where}.content[{k}]: {kind} is not supported: this model reads text only", param)
-        else:
-            raise bad_request(f"{where}.content[{k}]: content part of type {kind!r} is not supported", param)
-    return "".join(parts)
-
-
 def _assistant(out: List[dict]) -> dict:
     """The assistant message that output items of the current turn add to."""
     if not out or out[-1]["role"] != "assistant":
@@ -110,45 +158,48 @@ def _assistant(out: List[dict]) -> dict:
     return out[-1]
 
 
-def input_messages(items: Union[str, List[Dict[str, Any]]]) -> List[dict]:
-    """Responses input -> the OpenAI-style messages chat templates read."""
+def call_ids(messages: List[dict]) -> set:
+    return {c.get("id") for m in messages for c in m.get("tool_calls") or ()}
+
+
+def input_messages(items: Union[str, List[Dict[str, Any]]], history: List[dict] = ()) -> List[dict]:
+    """Responses input -> the OpenAI-style messages chat templates read. A
+    function_call_output must answer a function_call of the conversation (`history` or `items`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: List[dict] = []
-    for i, item in enumerate(items):
-        where, param = f"input[{i}]", f"input.{i}"
-        kind = item.get("type", "message" if "role" in item else None)
+    calls = call_ids(list(history))
+    for i, raw in enumerate(items):
+        param = f"input.{i}"
+        kind = raw.get("type", "message" if "role" in raw else None) if isinstance(raw, dict) else None
+        if kind not in ITEMS:
+            raise bad_request(f"input[{i}]: input item type {kind!r} is not supported (message, function_call, "
+                              "function_call_output, reasoning)", f"{param}.type")
+        item = validated(ITEMS[kind], raw, param)
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}: unknown role {role!r}", f"{param}.role")
-            text = _text_parts(item.get("content", ""), where, f"{param}.content")
-            if role == "assistant":
-                a = _assistant(out)
-                a["content"] += text
+            text = flatten_text(item.content, f"input[{i}].content", f"{param}.content")
+            if item.role == "assistant":
+                _assistant(out)["content"] += text
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
         elif kind == "function_call":
             try:
-                args = json.loads(item.get("arguments") or "{}")
-            except (TypeError, json.JSONDecodeError) as e:
-                raise bad_request(f"{where}: arguments are not valid JSON: {e}", f"{param}.arguments") from e
-            if not isinstance(item.get("name"), str):
-                raise bad_request(f"{where}: a function_call needs 'name'", f"{param}.name")
+                args = json.loads(item.arguments or "{}")
+            except json.JSONDecodeError as e:
+                raise bad_request(f"input[{i}]: arguments are not valid JSON: {e}", f"{param}.arguments") from e
             _assistant(out).setdefault("tool_calls", []).append(
-                {"id": item.get("call_id", ""), "type": "function", "function": {"name": item["name"], "arguments": args}})
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}})
+            calls.add(item.call_id)
         elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                        "content": output if isinstance(output, str) else _text_parts(output, where, f"{param}.output")})
-        elif kind == "reasoning":
-            texts = [c.get("text", "") for c in (item.get("content") or []) if isinstance(c, dict)]
-            texts = texts or [s.get("text", "") for s in (item.get("summary") or []) if isinstance(s, dict)]
+            if item.call_id not in calls:
+                raise bad_request(f"input[{i}]: no tool call found for function call output with call_id {item.call_id!r}",
+                                  f"{param}.call_id")
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": flatten_text(item.output, f"input[{i}].output", f"{param}.output")})
+        else:
+            texts = [c.text for c in item.content or ()] or [s.text for s in item.summary]
             a = _assistant(out)
             a["reasoning_content"] = a.get("reasoning_content", "") + "".join(texts)
-        else:
-            raise bad_request(f"{where}: input item type {kind!r} is not supported (message, function_call, "
-                              "function_call_output, reasoning)", f"{param}.type")
     return out
 
 
@@ -161,26 +212,18 @@ def function_tools(tools: Optional[List[Dict[str, Any]]]) -> tuple:
     Function tools, and the function tools inside a `namespace` group, are offered
     to the model; hosted tools (web search) are left out; other types are a 400."""
     out, namespaces = [], {}
-
-    def add(t: Dict[str, Any], where: str, namespace: Optional[str] = None):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str) or not t["name"]:
-            raise bad_request(f"{where}: tool type {t.get('type')!r} is not supported (function tools, namespaces of "
-                              "function tools, and web_search, which is left out)", where.replace("[", ".").replace("]", "") + ".type")
-        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-        if namespace:
-            namespaces[t["name"]] = namespace
-
     for i, t in enumerate(tools or ()):
-        if t.get("type") in HOSTED_TOOLS:
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind in HOSTED_TOOLS:
             continue
-        if t.get("type") == "namespace" and isinstance(t.get("tools"), list):
-            for j, sub in enumerate(t["tools"]):
-                add(sub, f"tools[{i}].tools[{j}]", t.get("name"))
-        else:
-            add(t, f"tools[{i}]")
+        if kind not in ("function", "namespace"):
+            raise bad_request(f"tools[{i}]: tool type {kind!r} is not supported (function tools, namespaces of "
+                              "function tools, and web_search, which is left out)", f"tools.{i}.type")
+        group = [validated(FunctionTool, t, f"tools.{i}")] if kind == "function" else validated(NamespaceTool, t, f"tools.{i}").tools
+        for fn in group:
+            out.append(function_tool(fn.name, fn.parameters, fn.description))
+            if kind == "namespace" and t.get("name"):
+                namespaces[fn.name] = t["name"]
     return out, namespaces
 
 
@@ -193,18 +236,17 @@ def tool_choice(choice) -> tuple:
     raise bad_request(f"tool_choice {choice!r} is not supported (none, auto, required, or a function by name)", "tool_choice")
 
 
-def thinking_kwargs(reasoning: Optional[dict]) -> Optional[dict]:
-    effort = (reasoning or {}).get("effort")
-    if effort is None:
+def thinking_kwargs(reasoning: Optional[ReasoningConfig]) -> Optional[dict]:
+    if reasoning is None or reasoning.effort is None:
         return None
-    return {"enable_thinking": effort not in ("none", "minimal")}
+    return {"enable_thinking": reasoning.effort not in ("none", "minimal")}
 
 
 def render(svc: Service, req: ResponsesRequest, history: List[dict]) -> tuple:
     """(prompt, the conversation so far without instructions, {function: namespace})."""
     schema_mode = req.json_schema_mode or svc.config.json_schema_mode
-    output = constraints.from_response_format((req.text or {}).get("format"), "text.format", schema_mode)
-    conversation = history + input_messages(req.input)
+    output = constraints.from_response_format(req.text.format if req.text else None, "text.format", schema_mode)
+    conversation = history + input_messages(req.input, history)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     mode, name = tool_choice(req.tool_choice)
     tools, namespaces = function_tools(req.tools)
@@ -252,33 +294,25 @@ def output_items(parsed: ParsedOutput, namespaces: Dict[str, str]) -> List[dict]
     return items
 
 
-def usage(svc: Service, stats, n_prompt: int, reasoning: str) -> dict:
-    out = stats.generated_tokens if stats is not None else 0
-    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0},
-            "output_tokens": out,
-            "output_tokens_details": {"reasoning_tokens": len(svc.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0},
-            "total_tokens": n_prompt + out, "speculative": speculative(stats)}
+def usage(svc: Service, u: Usage, reasoning: str) -> dict:
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": len(svc.encode(reasoning)) if reasoning else 0},
+            "total_tokens": u.prompt_tokens + u.output_tokens, "speculative": u.speculative, **u.note}
 
 
-def response_body(rid: str, created: int, svc: Service, req: ResponsesRequest, gen: Generation, *, status: str,
+def response_body(rid: str, created: int, svc: Service, req: ResponsesRequest, run: Run, *, status: str,
                   output: List[dict], usage_: Optional[dict] = None, error: Optional[dict] = None) -> dict:
+    text = req.text.model_dump(exclude_none=True) if req.text else {}
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "model": svc.config.served_model_name,
         "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning, "store": req.store, "temperature": gen.params.temperature,
-        "text": (req.text or {}) | {"format": (req.text or {}).get("format") or {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-        "top_p": gen.params.top_p, "truncation": "disabled", "usage": usage_, "metadata": req.metadata or {},
+        "reasoning": req.reasoning.model_dump() if req.reasoning else None, "store": req.store, "temperature": run.params.temperature,
+        "text": text | {"format": text.get("format") or {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [], "top_p": run.params.top_p, "truncation": "disabled", "usage": usage_, "metadata": req.metadata or {},
     }
-
-
-def structured_report(constraint, output: List[dict], reason: str) -> Optional[dict]:
-    """The structured_output report (beside usage) from the output items."""
-    text = "".join(part.get("text", "") for item in output if item["type"] == "message" for part in item["content"])
-    calls = [{"function": {"name": item["name"], "arguments": item["arguments"]}} for item in output if item["type"] == "function_call"]
-    return structured.output_report(constraint, text if any(i["type"] == "message" for i in output) else None, calls,
-                                    "length" if reason == "length" else "stop")
 
 
 def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
@@ -290,41 +324,34 @@ def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request):
-    started = time.perf_counter()
     svc: Service = request.app.state.service
     svc.check_model(req.model)
     store: ResponseStore = request.app.state.response_store
     history = store.get(req.previous_response_id) if req.previous_response_id else []
     prompt, conversation, namespaces = await svc.run_cpu(render, svc, req, history)
-    sampling = Sampling.of(req, max_tokens=req.max_output_tokens)
-    gen = svc.generation(prompt, sampling, started=started, prompt_param="input", max_tokens_param="max_output_tokens",
-                         parallel_tool_calls=req.parallel_tool_calls)
-    handle = svc.submit(gen)
+    run = svc.start(request, prompt, req, max_tokens=req.max_output_tokens,
+                    options=Options(parallel_tool_calls=req.parallel_tool_calls, prompt_param="input",
+                                    max_tokens_param="max_output_tokens"))
     rid, created = new_id("resp"), int(time.time())
 
-    def finish(output: List[dict], stats, reason: str, reasoning: str) -> dict:
+    def finish(output: List[dict], u: Usage, reason: str, reasoning: str, report: Optional[dict]) -> dict:
         status = "incomplete" if reason == "length" else "completed"
         if req.store:
             store.put(rid, history_after(conversation, output))
-        body = response_body(rid, created, svc, req, gen, status=status, output=output,
-                             usage_={**usage(svc, stats, len(prompt.ids), reasoning), **gen.budget_note})
-        report = structured_report(prompt.constraint, output, reason)
+        body = response_body(rid, created, svc, req, run, status=status, output=output, usage_=usage(svc, u, reasoning))
         return body if report is None else {**body, "structured_output": report}
 
     if req.stream:
         ev = Events()
 
         def failed(e: Exception) -> List[dict]:
-            return [ev("response.failed", response=response_body(rid, created, svc, req, gen, status="failed", output=[],
+            return [ev("response.failed", response=response_body(rid, created, svc, req, run, status="failed", output=[],
                                                                  error={"code": "server_error", "message": str(e)}))]
 
-        return sse_response(svc, response_stream(svc, req, gen, handle, request, rid, created, ev, finish, namespaces), request.scope,
-                            on_error=failed)
-    done = await complete(svc, gen, handle, request)
-    parsed = parse_output(svc, gen, done.text)
-    svc.metrics.request(request.scope, 200)
-    body = finish(output_items(parsed, namespaces), done.stats, done.finish_reason, parsed.reasoning or "")
-    return structured.respond(body, body.get("structured_output"))
+        return sse_response(svc, response_stream(svc, req, run, rid, created, ev, finish, namespaces), request.scope, on_error=failed)
+    done = await run.complete()
+    body = finish(output_items(done.parsed, namespaces), done.usage, done.finish_reason, done.parsed.reasoning or "", None)
+    return run.respond(body, done.report)
 
 
 # ---------------------------------------------------------------- streaming
@@ -341,74 +368,60 @@ class Events:
         return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": self.n - 1, **body}, ensure_ascii=False)}
 
 
-async def response_stream(svc: Service, req, gen, handle, request, rid: str, created: int, ev: Events, finish, namespaces):
-    """response.created, response.in_progress, then per output item: output_item.added,
-    its content / argument events, output_item.done; then response.completed
-    (response.incomplete when max_output_tokens cut it)."""
-    start = response_body(rid, created, svc, req, gen, status="in_progress", output=[])
-    yield ev("response.created", response=start)
-    yield ev("response.in_progress", response=start)
-    items: List[dict] = []  # finished output items
-    open_: Optional[dict] = None  # the item being streamed
-    reasoning: List[str] = []
-
-    def close():
-        nonlocal open_
-        item, open_ = open_, None
-        idx = len(items)
-        items.append(item)
-        done = []
-        if item["type"] == "reasoning":
-            text = item["content"][0]["text"] if item["content"] else ""
-            done += [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text),
-                     ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                        part={"type": "reasoning_text", "text": text})]
-        elif item["type"] == "message":
-            part = item["content"][0]
-            done += [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=part["text"], logprobs=[]),
-                     ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+def item_events(ev: Events, e: BlockEvent, items: Dict[int, dict], namespaces: Dict[str, str]) -> List[dict]:
+    """One content block's event as output item events: added (and its content part),
+    deltas, then the done events."""
+    b, idx = e.block, e.block.index
+    if e.type == "start":
+        if b.kind == "thinking":
+            item, part = reasoning_item(new_id("rs"), "", "in_progress"), {"type": "reasoning_text", "text": ""}
+        elif b.kind == "text":
+            item, part = message_item(new_id("msg"), "", "in_progress"), text_part("")
         else:
-            done.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                           name=item["name"], arguments=item["arguments"]))
-        item["status"] = "completed"
-        return done + [ev("response.output_item.done", output_index=idx, item=item)]
-
-    def begin(item: dict, part: Optional[dict]):
-        nonlocal open_
-        open_ = item
-        idx = len(items)
-        out = [ev("response.output_item.added", output_index=idx, item={**item, "status": "in_progress"})]
+            item, part = call_item(new_id("fc"), b.call.id, b.call.name, "", namespaces, "in_progress"), None
+        items[idx] = item
+        out = [ev("response.output_item.added", output_index=idx, item=dict(item))]
         if part is not None:
             out.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part=part))
         return out
+    item = items[idx]
+    if e.type == "delta":
+        if b.kind == "tool_use":
+            return [ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=e.delta)]
+        kind = "response.reasoning_text.delta" if b.kind == "thinking" else "response.output_text.delta"
+        return [ev(kind, item_id=item["id"], output_index=idx, content_index=0, delta=e.delta,
+                   **({} if b.kind == "thinking" else {"logprobs": []}))]
+    if b.kind == "thinking":
+        item["content"] = [{"type": "reasoning_text", "text": b.text}]
+        part = item["content"][0]
+        out = [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=b.text),
+               ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+    elif b.kind == "text":
+        item["content"] = [text_part(b.text)]
+        out = [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=b.text, logprobs=[]),
+               ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=item["content"][0])]
+    else:
+        item["arguments"] = b.text
+        out = [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, name=item["name"],
+                  arguments=b.text)]
+    item["status"] = "completed"
+    return out + [ev("response.output_item.done", output_index=idx, item=item)]
 
-    async for step in stream_steps(svc, gen, handle, request):
-        for e in step.events:
-            idx = len(items)
-            if isinstance(e, ReasoningDelta):
-                if open_ is None or open_["type"] != "reasoning":
-                    for x in (close() if open_ else []) + begin(reasoning_item(new_id("rs"), "", "in_progress"),
-                                                                  {"type": "reasoning_text", "text": ""}):
-                        yield x
-                    open_["content"] = [{"type": "reasoning_text", "text": ""}]
-                open_["content"][0]["text"] += e.text
-                reasoning.append(e.text)
-                yield ev("response.reasoning_text.delta", item_id=open_["id"], output_index=len(items), content_index=0, delta=e.text)
-            elif isinstance(e, ContentDelta):
-                if open_ is None or open_["type"] != "message":
-                    for x in (close() if open_ else []) + begin(message_item(new_id("msg"), "", "in_progress"), text_part("")):
-                        yield x
-                open_["content"][0]["text"] += e.text
-                yield ev("response.output_text.delta", item_id=open_["id"], output_index=len(items), content_index=0,
-                         delta=e.text, logprobs=[])
-            elif isinstance(e, ToolCallStart):
-                for x in (close() if open_ else []) + begin(call_item(new_id("fc"), e.id, e.name, "", namespaces, "in_progress"), None):
-                    yield x
-            elif isinstance(e, ToolCallArgsDelta):
-                open_["arguments"] += e.text
-                yield ev("response.function_call_arguments.delta", item_id=open_["id"], output_index=idx, delta=e.text)
-        if step.finish_reason:
-            for x in close() if open_ else []:
+
+async def response_stream(svc: Service, req, run: Run, rid: str, created: int, ev: Events, finish, namespaces):
+    """response.created, response.in_progress, then per output item: output_item.added,
+    its content / argument events, output_item.done; then response.completed
+    (response.incomplete when max_output_tokens cut it)."""
+    start = response_body(rid, created, svc, req, run, status="in_progress", output=[])
+    yield ev("response.created", response=start)
+    yield ev("response.in_progress", response=start)
+    blocks, items = Blocks(), {}
+    async for step in run.steps():
+        for e in blocks.feed(step.events) + (blocks.close() if step.finish_reason else []):
+            for x in item_events(ev, e, items, namespaces):
                 yield x
-            body = finish(items, step.chunk.stats, step.finish_reason, "".join(reasoning))
+        if step.finish_reason:
+            reasoning = "".join(items[i]["content"][0]["text"] for i in sorted(items)
+                                if items[i]["type"] == "reasoning" and items[i]["content"])
+            body = finish([items[i] for i in sorted(items)], step.usage, step.finish_reason, reasoning, step.report)
             yield ev("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)

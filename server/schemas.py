@@ -85,9 +85,11 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-class _SamplingFields(_Request):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+class SamplingFields(_Request):
+    """The sampling fields every API accepts (Messages and Responses take the ones their
+    own API lacks as mtp-serve extras, in `extra_body`). One declaration: `Service.start`
+    turns them into the engine's SamplingParams."""
+
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=-1)
@@ -96,13 +98,21 @@ class _SamplingFields(_Request):
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[RepetitionPenalty] = None
     seed: Optional[Seed] = None
+    ignore_eos: bool = False
+    mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)  # MTP drafts per round; 0: off
+    # reasoning tokens before the server closes the think block (vLLM's name; Messages: thinking.budget_tokens)
+    thinking_token_budget: Optional[int] = Field(default=None, ge=1)
+    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
+
+
+class _OpenAIFields(SamplingFields):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
-    ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)
     user: Optional[str] = None
     response_format: Optional[ResponseFormat] = None
     # vLLM-style output constraints (server/constraints.py)
@@ -111,7 +121,6 @@ class _SamplingFields(_Request):
     guided_regex: Optional[str] = None
     guided_choice: Optional[List[str]] = None
     guided_grammar: Optional[str] = None
-    json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
 
     @field_validator("stop")
     @classmethod
@@ -127,7 +136,7 @@ class _SamplingFields(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_OpenAIFields):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -138,7 +147,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_OpenAIFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 with echo and logprobs: score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)

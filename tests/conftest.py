@@ -2,8 +2,34 @@ import mtp_serve  # noqa: F401  (must precede mlx imports: sets up the backend)
 
 import contextlib
 import io
+import os
 
 import pytest
+
+# Test tiers. A plain `pytest` runs the fast tier, for local work; `--all-tiers` (the
+# README's test command, which CI runs) runs every tier. An explicit `-m` picks for itself.
+SLOW_TIERS = ("e2e", "agents", "slow", "browser")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all-tiers", action="store_true",
+                     help="run every tier (e2e, agents, slow, browser) besides the fast one; CI does")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--all-tiers") or config.getoption("markexpr") or os.environ.get("MTP_SERVE_ALL_TIERS"):
+        return
+    kept = [i for i in items if not any(i.get_closest_marker(t) for t in SLOW_TIERS)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+        config._mtp_tiers_note = True
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "_mtp_tiers_note", False):
+        terminalreporter.write_line(f"fast tier only: tests marked {', '.join(SLOW_TIERS)} were deselected "
+                                    "(`--all-tiers` runs everything, as CI does)")
 
 from mtp_serve.testing.synthetic import write_synthetic_checkpoint
 

@@ -48,6 +48,8 @@ from mtp_serve.models.sharding import ShardingError, Split
 from mtp_serve.testing.launch import LaunchedServer
 from mtp_serve.testing.synthetic import word_ids
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 130, 3)), [200] * 5 + [201, 202], [9, 8, 7, 6, 5, 4]]
 N_TOKENS = 24
 SAMPLED = {"temperature": 1.0, "top_p": 0.95}

@@ -14,6 +14,8 @@ import pytest
 from mtp_serve.server.limits import Limits
 from test_server_support import serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 MSG = [{"role": "user", "content": "Hello, model."}]
 # Each endpoint: its path, a good body, where its text goes, its max_tokens field.
 ENDPOINTS = {

@@ -10,6 +10,8 @@ from api_events import anthropic_blocks, check_anthropic_order, sse_events
 from test_server_support import SCRIPT, WEATHER_TOOL, serve
 from test_server import wait_until
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 WEATHER_PT, _, HI, _, ROME = (s[0] for s in SCRIPT)
 MSGS = [{"role": "user", "content": "Hello, model."}]
 GREEDY = {"temperature": 0}  # anthropic 2.x takes sampling arguments only through extra_body

@@ -13,6 +13,8 @@ from npm_clients import metric
 from test_hardening import ENDPOINTS, assert_error, post
 from test_server_support import serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 CONTEXT = 256
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from test_server_support import serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):

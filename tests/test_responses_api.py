@@ -11,6 +11,8 @@ from api_events import check_responses_order, sse_events
 from test_server_support import SCRIPT, WEATHER_TOOL, serve
 from test_server import wait_until
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 WEATHER_PT, _, HI, _, ROME = (s[0] for s in SCRIPT)
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 

@@ -18,6 +18,8 @@ import pytest
 from mtp_serve.server.errors import APIError
 from mtp_serve.server.schema_relax import disjoint, serve_schema, validator_class
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 INT = {"type": "integer", "minimum": 0, "maximum": 9}
 SHORT = {"type": "string", "maxLength": 6}
 

@@ -18,6 +18,8 @@ from schemathesis.specs.openapi.checks import (
 from mtp_serve.server.limits import Limits
 from test_server_support import serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from test_server_support import LiveServer, free_port, serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 MSGS = [{"role": "user", "content": "Hello, model."}]
 
 

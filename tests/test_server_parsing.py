@@ -8,6 +8,8 @@ import pytest
 
 from test_server_support import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 WEATHER_PT, OSLO, HI, BROKEN, ROME = (s[0] for s in SCRIPT)
 
 

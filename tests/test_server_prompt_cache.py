@@ -15,6 +15,8 @@ from mtp_serve.server.schemas import ChatCompletionRequest
 from mtp_serve.testing.server_process import ServerProcess
 from test_server_support import serve
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 SYSTEM = ("You are a careful coding agent. Read the task, plan, call tools to inspect and edit files, "
           "run the tests, and report what changed. " * 6)
 TOOLS = [

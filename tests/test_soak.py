@@ -16,6 +16,8 @@ import pytest
 
 from test_server_support import free_port
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 SOAK_SECONDS = 25
 WARM_UP_SECONDS = 4
 CLIENTS = 8

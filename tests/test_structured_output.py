@@ -13,6 +13,8 @@ import pytest
 
 from test_server_support import THINK, WEATHER_TOOL
 
+pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
+
 # A random-weight model stops a free string only by chance: bounded strings, one call.
 SHORT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 12},

@@ -24,7 +24,9 @@ from mtp_serve.cli.tune import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_lm.convert import MODEL_CONVERSION_DTYPES, QUANT_RECIPES
+    from mtp_serve.models.mlx_lm_compat import conversion_choices
+
+    MODEL_CONVERSION_DTYPES, QUANT_RECIPES = conversion_choices()
 
     p = OneLineParser(prog="mtp-convert", description="Convert a Hugging Face checkpoint to MLX (mlx-lm's converter), keeping its MTP head.")
     p.add_argument("--hf-path", "--model", dest="hf_path", required=True, metavar="REPO_OR_DIR",
@@ -48,9 +50,8 @@ def _convert(args) -> int:
     out = Path(args.mlx_path)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new --mlx-path (or graft into it with mtp-graft)")
-    from mlx_lm.convert import convert
-
     from mtp_serve.models.graft import graft
+    from mtp_serve.models.mlx_lm_compat import convert
     from mtp_serve.models.mtp_source import open_source
 
     tmp = out.parent / f".{out.name}.mtp-convert-tmp"

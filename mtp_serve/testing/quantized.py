@@ -19,7 +19,7 @@ QUANT_TEXT = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_va
 
 def quantize_mlx_lm_model(model: nn.Module, bits: int, group_size: int) -> nn.Module:
     """mlx-lm's own quantization (as `mlx_lm convert -q`), in place; MLX's kernels."""
-    from mlx_lm.utils import quantize_model
+    from mtp_serve.models.mlx_lm_compat import quantize_model
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
         quantize_model(model, {}, group_size, bits)
