@@ -338,3 +338,105 @@ def test_malformed_tool_schemas_are_400_on_every_api(server, case, forced, strea
 def test_a_well_formed_tool_schema_is_still_served(server):
     r = post(server, CHAT, {"messages": MSG, "max_tokens": 40, "tools": [WEATHER_TOOL], "tool_choice": "required"})
     assert r.status_code == 200, r.text[:300]
+
+
+# ---------------------------------------------------------------- 6. the disk writer under write errors
+
+
+def _eperm(*args, **kw):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 1, kind: PermissionDenied, message: "Operation not permitted" })')
+
+
+def _enospc(tensors, path, metadata=None):
+    import errno
+    import os
+
+    with open(path, "wb") as f:  # part of the file, then the disk is full
+        f.write(b"\0" * 100)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@pytest.mark.parametrize("failure", [_eperm, _enospc], ids=["EPERM", "ENOSPC"])
+def test_the_disk_writer_survives_write_errors(loaded, tmp_path, monkeypatch, failure, caplog):
+    """Every write fails (safetensors' own error on EPERM; an OSError after a partial file on
+    ENOSPC): each counts as dropped, one warning per cause, nothing stays queued, no partial file
+    stays, and once the disk works again (after the back-off) writes resume; close is prompt."""
+    from mtp_serve.engine.prompt_cache import PromptCache, disk, files
+    from test_prompt_cache import SHARED, disk_tier, run
+
+    lm = loaded("qwen3_5", agreeable=True)
+    monkeypatch.setattr(disk, "BACKOFF_SECONDS", (0.2, 0.4))
+    cache = PromptCache(interval=0, disk=disk_tier(lm, tmp_path))
+    monkeypatch.setattr(files, "save_file", failure)
+    for i in range(6):
+        run(lm, SHARED + [i] * 40, cache, max_tokens=1)
+        cache.disk.flush(5)
+    d = cache.disk
+    assert d.stats["dropped_writes"] >= 6 and d.stats["writes"] == 0, d.stats
+    assert d._writer is not None and d._writer.is_alive()
+    assert d._queued_bytes == 0 and not d._queued and not list(d.dir.glob("*.tmp"))
+    warnings = [r for r in caplog.records if "cannot write to" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # once per cause
+    monkeypatch.undo()
+    time.sleep(0.5)  # past the back-off
+    run(lm, SHARED + [99] * 40, cache, max_tokens=1)
+    d.flush(10)
+    assert d.stats["writes"] > 0, d.stats
+    t = time.perf_counter()
+    cache.close()
+    assert time.perf_counter() - t < 2
+
+
+def test_close_never_waits_past_its_bound(loaded, tmp_path, monkeypatch):
+    """A disk that takes a second per file: close(1.0) returns after about a second, the rest dropped."""
+    from safetensors.numpy import save_file
+
+    from mtp_serve.engine.prompt_cache import PromptCache, files
+    from test_prompt_cache import SHARED, disk_tier, run
+
+    def slow(*args, **kw):
+        time.sleep(1.0)
+        return save_file(*args, **kw)
+
+    lm = loaded("qwen3_5", agreeable=True)
+    monkeypatch.setattr(files, "save_file", slow)
+    cache = PromptCache(interval=0, disk=disk_tier(lm, tmp_path))
+    for i in range(4):
+        run(lm, SHARED + [i] * 40, cache, max_tokens=1)
+    t = time.perf_counter()
+    cache.disk.close(timeout=1.0)
+    took = time.perf_counter() - t
+    assert took < 2.5, took
+    assert cache.disk.stats["writes"] + cache.disk.stats["dropped_writes"] <= 8
+
+
+def test_a_lookup_survives_a_corrupt_file_that_cannot_be_removed(loaded, tmp_path, monkeypatch, caplog):
+    import pathlib
+
+    from mtp_serve.engine.prompt_cache import PromptCache
+    from test_prompt_cache import CONV_A, CONV_B, SHARED, disk_tier, run
+
+    lm = loaded("qwen3_5", agreeable=True)
+    first = PromptCache(interval=0, disk=disk_tier(lm, tmp_path))
+    run(lm, CONV_A, first, max_tokens=1)
+    first.close()
+    for f in first.disk.dir.glob("*-s-*.safetensors"):
+        data = f.read_bytes()
+        f.write_bytes(data[:-64] + bytes(b ^ 0xFF for b in data[-64:]))  # corrupt every snapshot (same size: listed)
+    real_unlink = pathlib.Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self.suffix == ".safetensors":
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse)
+    again = PromptCache(interval=0, disk=disk_tier(lm, tmp_path))
+    out, stats = run(lm, CONV_B, again)  # the lookup finds the corrupt file, cannot remove it, prefills
+    cold, _ = run(lm, CONV_B, PromptCache(interval=0))
+    assert out == cold and stats.cached_tokens == 0
+    assert any("cannot remove" in r.getMessage() for r in caplog.records)
+    assert not any("lookup failed" in r.getMessage() for r in caplog.records)  # nothing escaped the lookup
+    again.close()

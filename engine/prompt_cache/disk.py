@@ -22,6 +22,14 @@ Every snapshot the memory tier keeps is written through (in the background,
 so a restart, even a crash, loses at most the last few), and over the byte
 budget the least recently used snapshots go first, those that several
 conversations share last; blocks go with the last snapshot naming them.
+
+The writer survives any error (a full disk, a folder it may not write, the
+safetensors library's own exceptions): the write counts as dropped, each cause
+is logged once a minute at most, and writes are dropped without trying for a
+while that doubles with each failure (up to a minute), so a broken disk costs
+neither memory nor time. What waits to be written is bounded in bytes
+(`max_pending_bytes`), and `close` waits at most its timeout, dropping what is
+left. A file that cannot be removed costs a warning, never a lookup.
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ log = logging.getLogger("mtp_serve.prompt_cache")
 
 INDEX = "index.json"
 MAX_PENDING_BYTES = 1 << 30  # writes queued beyond this are dropped (the disk is too slow)
+CLOSE_SECONDS = 30.0  # the most a clean shutdown waits for queued writes
+BACKOFF_SECONDS = (0.5, 60.0)  # after a failed write: drop writes for this long, doubling up to the second
+LOG_EVERY_SECONDS = 60.0  # one warning per cause at most this often
 
 
 @dataclass(eq=False)
@@ -95,7 +106,7 @@ def model_folder(root: Path, name: str, fingerprint: str) -> Path:
 
 class DiskTier:
     def __init__(self, root: Path, model_name: str, fingerprint: str, max_bytes: int, layout: Tuple[bool, ...],
-                 kv: KVSetting = FULL_KV):
+                 kv: KVSetting = FULL_KV, max_pending_bytes: int = MAX_PENDING_BYTES):
         self.dir = model_folder(Path(root).expanduser(), model_name, fingerprint)
         self.dir.mkdir(parents=True, exist_ok=True)  # an unusable folder is an error at start-up
         self.model, self.fingerprint, self.max_bytes = model_name, fingerprint, max_bytes
@@ -114,7 +125,12 @@ class DiskTier:
         self._pending: set = set()  # block files queued
         self._queued: Dict[str, DiskEntry] = {}  # snapshots queued, by key
         self._queued_bytes = 0
+        self.max_pending_bytes = max_pending_bytes
         self._writer: Optional[threading.Thread] = None
+        self._closing = threading.Event()
+        self._backoff = 0.0  # seconds; 0 while writes succeed
+        self._retry_at = 0.0  # monotonic time before which writes are dropped without trying
+        self._logged: Dict[str, Tuple[float, int]] = {}  # cause -> (when last logged, drops since)
         self._dirty = False
         self.stats = {"evictions": 0, "reads": 0, "read_s": 0.0, "writes": 0, "write_s": 0.0, "write_bytes": 0,
                       "skipped_files": 0, "dropped_writes": 0}
@@ -149,7 +165,7 @@ class DiskTier:
                 continue
             if name.endswith(".tmp"):  # a write cut short
                 log.warning("prompt cache: removing partial file %s", path)
-                path.unlink(missing_ok=True)
+                self._unlink(path)
                 continue
             m = re.fullmatch(r"([0-9a-f]{16})-([skh])-([0-9a-f]{32})\.safetensors", name)
             if m is None or m.group(1) != self.prefix:
@@ -205,7 +221,7 @@ class DiskTier:
         if self.entries.pop(e.key, None) is not None:
             self.index.remove(e)
             self._bytes -= e.nbytes
-            (self.dir / self._snap_file(e.key)).unlink(missing_ok=True)
+            self._unlink(self.dir / self._snap_file(e.key))
             self._dirty = True
 
     def _add_block(self, fname: str, size: int) -> None:
@@ -213,9 +229,27 @@ class DiskTier:
         self.block_files[fname] = size
 
     def _drop_block(self, fname: str) -> None:
-        (self.dir / fname).unlink(missing_ok=True)
+        self._unlink(self.dir / fname)
         self._bytes -= self.block_files.pop(fname, 0)
         self._dirty = True
+
+    def _unlink(self, path: Path) -> None:
+        """Remove a file; one that cannot be removed (permissions, a read-only disk) stays,
+        forgotten by the index, with a warning."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            self._warn(f"unlink {type(e).__name__} {e.errno}", "prompt cache: cannot remove %s: %s", path, e)
+
+    def _warn(self, cause: str, msg: str, *args) -> None:
+        """Log `msg` for `cause` at most once a minute (with the drops counted meanwhile)."""
+        now = time.monotonic()
+        last, count = self._logged.get(cause, (None, 0))
+        if last is not None and now - last < LOG_EVERY_SECONDS:
+            self._logged[cause] = (last, count + 1)
+            return
+        self._logged[cause] = (now, 0)
+        log.warning(msg + (f" ({count} more since the last warning)" if count else ""), *args)
 
     # -- lookups (engine thread)
 
@@ -234,6 +268,13 @@ class DiskTier:
     def read(self, entry: DiskEntry, have: Callable[[str], Optional[Block]]) -> Optional[Tuple[Snapshot, Dict[str, Block]]]:
         """The snapshot and the blocks (or block head parts) `have` (the memory tier) lacks;
         None when a file is gone (evicted meanwhile) or bad (then dropped, with a warning)."""
+        try:
+            return self._read(entry, have)
+        except Exception as e:  # noqa: BLE001 - nothing here raises into the engine: the request prefills instead
+            self._warn(f"read {type(e).__name__}", "prompt cache: cannot read %s: %s: %s", entry.key, type(e).__name__, e)
+            return None
+
+    def _read(self, entry: DiskEntry, have: Callable[[str], Optional[Block]]):
         t0 = time.perf_counter()
         path = self.dir / self._snap_file(entry.key)
         if not path.exists():
@@ -271,10 +312,14 @@ class DiskTier:
     # -- writes
 
     def write(self, snap: Snapshot, store: BlockStore, shared: bool = False) -> None:
-        """Queue `snap` (and the blocks the disk lacks) for writing, unless already there."""
+        """Queue `snap` (and the blocks the disk lacks) for writing, unless already there (or the
+        disk failed a moment ago, or too much waits already: then it counts as dropped)."""
         key = snap.key
         with self._lock:
             if key in self.entries or key in self._queued:
+                return
+            if self._closing.is_set() or time.monotonic() < self._retry_at:
+                self.stats["dropped_writes"] += 1
                 return
             wanted = []
             for i, name in enumerate(snap.chain):
@@ -293,7 +338,7 @@ class DiskTier:
         files.append((self._snap_file(key), tensors, dtypes, meta))
         size = sum(a.nbytes for f in files for a in f[1].values())
         with self._lock:
-            if self._queued_bytes + size > MAX_PENDING_BYTES or size > self.max_bytes:
+            if self._queued_bytes + size > self.max_pending_bytes or size > self.max_bytes:
                 self.stats["dropped_writes"] += 1
                 return
             for fname, *_ in files[:-1]:
@@ -313,18 +358,35 @@ class DiskTier:
                 return
             entry, files = job
             try:
-                self._write_job(entry, files)
-            except OSError as e:
-                log.warning("prompt cache: cannot write to %s: %s", self.dir, e)
+                if self._closing.is_set() or time.monotonic() < self._retry_at:
+                    self.stats["dropped_writes"] += 1  # the disk failed a moment ago, or shutdown ran out of time
+                else:
+                    self._write_job(entry, files)
+                    self._backoff = 0.0
+            except Exception as e:  # noqa: BLE001 - any failure (OSError, safetensors' own errors): dropped, the writer goes on
+                self._failed(entry, e)
             finally:
-                with self._lock:
-                    for fname, *_ in files[:-1]:
-                        self._pending.discard(fname)
-                    self._queued.pop(entry.key, None)
-                    self._queued_bytes -= sum(a.nbytes for f in files for a in f[1].values())
-                    if self._jobs.qsize() == 0:
-                        self._save_index()
+                try:
+                    with self._lock:
+                        for fname, *_ in files[:-1]:
+                            self._pending.discard(fname)
+                        self._queued.pop(entry.key, None)
+                        self._queued_bytes -= sum(a.nbytes for f in files for a in f[1].values())
+                        if self._jobs.qsize() == 0:
+                            self._save_index()
+                except Exception as e:  # noqa: BLE001
+                    self._warn(f"index {type(e).__name__}", "prompt cache: cannot update the index: %s: %s", type(e).__name__, e)
                 self._jobs.task_done()
+
+    def _failed(self, entry: DiskEntry, e: BaseException) -> None:
+        """A write failed: dropped, logged once per cause, and the next writes wait a while."""
+        self.stats["dropped_writes"] += 1
+        self._backoff = min(max(2 * self._backoff, BACKOFF_SECONDS[0]), BACKOFF_SECONDS[1])
+        self._retry_at = time.monotonic() + self._backoff
+        errno = getattr(e, "errno", None)
+        cause = f"write {type(e).__name__} {errno if errno is not None else str(e)[:60]}"
+        self._warn(cause, "prompt cache: cannot write to %s (%s: %s); writes are dropped for %.1fs", self.dir,
+                   type(e).__name__, e, self._backoff)
 
     def _write_job(self, entry: DiskEntry, files) -> None:
         t0 = time.perf_counter()
@@ -375,21 +437,31 @@ class DiskTier:
             tmp.write_text(json.dumps(data))
             os.replace(tmp, self.dir / INDEX)
             self._dirty = False
-        except OSError as e:
-            log.warning("prompt cache: cannot write %s: %s", self.dir / INDEX, e)
+        except Exception as e:  # noqa: BLE001 - the index is rebuilt from the files at the next start
+            self._warn(f"index {type(e).__name__}", "prompt cache: cannot write %s: %s", self.dir / INDEX, e)
 
-    def flush(self, timeout: float = 60.0) -> bool:
+    def flush(self, timeout: float = CLOSE_SECONDS) -> bool:
         """Wait for queued writes (up to `timeout`); save the index. True when all were written."""
         deadline = time.monotonic() + timeout
         while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            if self._writer is None or not self._writer.is_alive():
+                break
             time.sleep(0.01)
         with self._lock:
-            self._save_index()
+            try:
+                self._save_index()
+            except Exception as e:  # noqa: BLE001
+                self._warn(f"index {type(e).__name__}", "prompt cache: cannot save the index: %s", e)
         return not self._jobs.unfinished_tasks
 
-    def close(self, timeout: float = 60.0) -> None:
-        self.flush(timeout)
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Wait up to `timeout` for the queued writes, then drop the rest: never longer (a write
+        in progress then finishes in the background)."""
+        t0 = time.monotonic()
+        if not self.flush(timeout):
+            log.warning("prompt cache: %d writes still queued after %.0fs; dropped", self._jobs.unfinished_tasks, timeout)
+        self._closing.set()  # the writer drops what is left without writing
         if self._writer is not None:
             self._jobs.put(None)
-            self._writer.join(1.0)
+            self._writer.join(max(0.0, min(1.0, timeout - (time.monotonic() - t0))))
             self._writer = None
