@@ -86,6 +86,16 @@ def _blocks(content) -> List[Dict[str, Any]]:
     return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
+def prefill(messages: List[dict]) -> bool:
+    """A final assistant message with text (and no tool calls) starts the reply: the
+    output continues it (Anthropic's prefill), without opening a new turn."""
+    if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls") or not messages[-1]["content"]:
+        return False
+    if messages[-1]["content"] != messages[-1]["content"].rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace", f"messages.{len(messages) - 1}.content")
+    return True
+
+
 def _text(block: Dict[str, Any], where: str, param: str) -> str:
     return flatten_text([block], where, param, kinds=("text",))
 
@@ -99,8 +109,15 @@ def template_messages(req: CountTokensRequest) -> List[dict]:
     out: List[dict] = []
     if req.system:
         out.append({"role": "system", "content": system_text(req.system)})
+    last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
         param = f"messages.{i}.content"
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise bad_request(f"messages.{i}: all messages must have non-empty content except for the optional final "
+                              "assistant message", param)
+        for j, b in enumerate(_blocks(m.content)):
+            if isinstance(b, dict) and b.get("type") == "text" and b.get("text") == "":
+                raise bad_request(f"messages.{i}.content.{j}: text content blocks must be non-empty", param)
         if m.role == "system":  # chat.render merges system messages into the first one
             out.append({"role": "system", "content": system_text(m.content, param)})
             continue
@@ -170,8 +187,10 @@ def render(svc: Service, req: CountTokensRequest) -> ChatPrompt:
         else:
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
-    return svc.chat.render(template_messages(req), openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
-                           parallel_tool_calls=parallel, schema_mode=req.json_schema_mode or svc.config.json_schema_mode)
+    messages = template_messages(req)
+    return svc.chat.render(messages, openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
+                           parallel_tool_calls=parallel, schema_mode=req.json_schema_mode or svc.config.json_schema_mode,
+                           continue_final=prefill(messages))
 
 
 # ---------------------------------------------------------------- response

@@ -182,15 +182,23 @@ class ChatFormat:
     def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
                tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages",
                output: Optional[Constraint] = None, parallel_tool_calls: bool = True,
-               schema_mode: str = "relaxed") -> ChatPrompt:
+               schema_mode: str = "relaxed", continue_final: bool = False) -> ChatPrompt:
         """`messages` as chat templates expect them; `tools` as OpenAI function tools;
         `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
         `tool_name` for one named function; `output`: a constraint on the output;
-        `schema_mode`: how a forced call's tool schemas are served (schema_relax.py)."""
+        `schema_mode`: how a forced call's tool schemas are served (schema_relax.py);
+        `continue_final`: the last message is the start of the assistant's reply (a
+        prefill), which the output continues instead of opening a new turn."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
         tools = tools or None
         constraints.check_tools(tools)  # JSON Schema's metaschema, before any use: a 400 on every API
+        names = [t["function"]["name"] for t in tools or ()]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise bad_request(f"tools: tool names must be unique; {dup!r} appears {names.count(dup)} times", "tools")
+        if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+            raise bad_request("continuing the final message needs an assistant message last", messages_param)
         choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
         if tool_name is not None:
             choice = "function"
@@ -204,7 +212,8 @@ class ChatFormat:
             text = self.tokenizer.apply_chat_template(
                 escaped,
                 tools=escaped_tools,
-                add_generation_prompt=True,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
                 tokenize=False,
                 chat_template=self.template,
                 **(template_kwargs or {}),

@@ -123,9 +123,16 @@ def validated(model, value: Any, param: str):
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join([param, *(str(p) for p in first["loc"])])
-        raise bad_request(f"{where}: {first['msg']}", where) from e
+        errors = e.errors()
+        loc = errors[0]["loc"]
+        if len(errors) > 1:  # a union's members each failed: the field is their common prefix
+            n = 0
+            while all(len(x["loc"]) > n and x["loc"][n] == loc[n] for x in errors):
+                n += 1
+            loc = loc[:n]
+        where = ".".join([param, *(str(p) for p in loc)])
+        msgs = list(dict.fromkeys(x["msg"] for x in errors))
+        raise bad_request(f"{where}: {' or '.join(msgs)}"[:500], where) from e
 
 
 class ResponseStore:

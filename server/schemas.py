@@ -145,6 +145,7 @@ class ChatCompletionRequest(_OpenAIFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    continue_final_message: bool = False  # vLLM's extra: the final assistant message is continued (a prefill)
 
 
 class CompletionRequest(_OpenAIFields):
