@@ -224,8 +224,42 @@ def main(argv=None) -> int:
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     if group is not None:
         return group.serve(app, svc.engine, args.host, args.port, args.log_level)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return serve_until_stopped(app, args.host, args.port, args.log_level)
+
+
+class _Stopped(Exception):
+    """Ctrl-C or SIGTERM, raised where uvicorn hands the signal back after its graceful shutdown."""
+
+
+def _stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
+    """Serve until Ctrl-C or SIGTERM; after the drain (uvicorn's graceful shutdown, then the
+    app's lifespan: the engine stops, the disk cache flushes within its bound) exit with status 0.
+
+    uvicorn re-raises the signal it caught once it has shut down (so the process would die of
+    SIGTERM, or raise KeyboardInterrupt into the interpreter's teardown); our handlers, which
+    it restores before re-raising, turn that into a normal return. The process then ends with
+    `os._exit`: at interpreter teardown a native thread still joinable (MLX's, below Python)
+    aborted the process ("terminate called without an active exception", status 134), and
+    nothing is left to clean up once the lifespan has run."""
+    import os
+    import signal
+
+    import uvicorn
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except (_Stopped, KeyboardInterrupt):
+        pass
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
