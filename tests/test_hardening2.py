@@ -74,11 +74,13 @@ def responses_text(r: httpx.Response, stream: bool) -> str:
 
 
 STREAM = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+E2E = pytest.mark.e2e  # a live server (conftest.py: test tiers); the engine and disk tests are the fast tier
 
 
 # ---------------------------------------------------------------- 1. compiling off the engine thread
 
 
+@E2E
 def test_a_pathological_constraint_does_not_stall_other_requests(server):
     """Constraints that take seconds to compile (or to find broken) are compiled on the tokenizer
     pool, never on the engine thread: a stream running beside them keeps its pace, and small
@@ -175,6 +177,7 @@ def test_the_budget_refuses_oversized_constraints(demo_model):
 # ---------------------------------------------------------------- 2. limits of the grammar engine: 400 before, never 500
 
 
+@E2E
 @STREAM
 def test_grammar_engine_limits_are_400_up_front(server, stream):
     rec_schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
@@ -191,6 +194,7 @@ def test_grammar_engine_limits_are_400_up_front(server, stream):
         assert_400(post(server, path, {**body, key: 8, "stream": stream}), words)
 
 
+@E2E
 @STREAM
 def test_a_choice_past_the_row_limit_is_served(server, stream):
     """2,001 options (llguidance's row limit is 2,000 items): one lexeme, answered."""
@@ -200,6 +204,7 @@ def test_a_choice_past_the_row_limit_is_served(server, stream):
     assert completion_text(post(server, COMPLETIONS, {**body, "prompt": "Pick:"}), stream) in options
 
 
+@E2E
 def test_a_grammar_failing_late_fails_its_own_row_only(server):
     """A grammar whose limit shows only after the probe's first tokens: the engine ends that row with
     an error (in the API's shape) and the row beside it completes."""
@@ -255,6 +260,7 @@ def test_engine_ends_a_failed_grammar_row_alone(demo_model):
 # ---------------------------------------------------------------- 3. special-token text
 
 
+@E2E
 @STREAM
 def test_special_token_text_in_constraints_is_text(server, stream):
     body = {"max_tokens": 30, "temperature": 0, "stream": stream}
@@ -280,6 +286,7 @@ def special_tools():
     }
 
 
+@E2E
 @STREAM
 @pytest.mark.parametrize("case", ["name", "parameter", "enum"])
 def test_special_token_text_in_a_forced_tool_call_is_400(server, case, stream):
@@ -312,6 +319,7 @@ MALFORMED = {
 }
 
 
+@E2E
 @STREAM
 @pytest.mark.parametrize("case", list(MALFORMED))
 @pytest.mark.parametrize("forced", [True, False], ids=["forced", "auto"])
@@ -335,6 +343,7 @@ def test_malformed_tool_schemas_are_400_on_every_api(server, case, forced, strea
             assert_400(r, "broken", "not a valid JSON schema", word)
 
 
+@E2E
 def test_a_well_formed_tool_schema_is_still_served(server):
     r = post(server, CHAT, {"messages": MSG, "max_tokens": 40, "tools": [WEATHER_TOOL], "tool_choice": "required"})
     assert r.status_code == 200, r.text[:300]
@@ -440,3 +449,44 @@ def test_a_lookup_survives_a_corrupt_file_that_cannot_be_removed(loaded, tmp_pat
     assert any("cannot remove" in r.getMessage() for r in caplog.records)
     assert not any("lookup failed" in r.getMessage() for r in caplog.records)  # nothing escaped the lookup
     again.close()
+
+
+# ---------------------------------------------------------------- 8. a clean stop
+
+
+@pytest.mark.parametrize("sig,disk", [
+    ("SIGINT", False), ("SIGTERM", True),
+    pytest.param("SIGINT", True, marks=pytest.mark.slow), pytest.param("SIGTERM", False, marks=pytest.mark.slow),
+])
+@E2E
+def test_ctrl_c_and_sigterm_exit_0_after_draining(sig, disk, tmp_path):
+    """`mtp-serve` on the demo model, a request streaming when the signal comes: it drains, the
+    disk cache saves its index, and the process exits 0 without a C++ abort."""
+    from mtp_serve.testing.server_process import ServerProcess
+
+    args = ["--prompt-cache-dir", tmp_path / "cache"] if disk else []
+    s = ServerProcess(args)
+    try:
+        body = {"model": "", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base_url + "/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break  # streaming: now stop the server under it
+            t = time.perf_counter()
+            s.proc.send_signal(getattr(signal, sig))
+            try:
+                for _ in lines:
+                    pass
+            except httpx.HTTPError:
+                pass
+        rc = s.proc.wait(60)
+        took = time.perf_counter() - t
+    finally:
+        out = s.stop()
+    assert rc == 0, (rc, out[-2000:])
+    assert "terminate called" not in out and "Traceback" not in out, out[-2000:]
+    assert "Application shutdown complete" in out and took < 30, (took, out[-1000:])
+    if disk:
+        assert list((tmp_path / "cache").glob("*/index.json")), list((tmp_path / "cache").rglob("*"))
