@@ -242,9 +242,10 @@ def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
     uvicorn re-raises the signal it caught once it has shut down (so the process would die of
     SIGTERM, or raise KeyboardInterrupt into the interpreter's teardown); our handlers, which
     it restores before re-raising, turn that into a normal return. The process then ends with
-    `os._exit`: at interpreter teardown a native thread still joinable (MLX's, below Python)
-    aborted the process ("terminate called without an active exception", status 134), and
-    nothing is left to clean up once the lifespan has run."""
+    `os._exit`: at interpreter teardown a native thread still joinable below Python (not pinned
+    to a library; the engine thread is joined by then) aborted the process ("terminate called
+    without an active exception", status 134), and nothing is left to clean up once the
+    lifespan has run."""
     import os
     import signal
 
