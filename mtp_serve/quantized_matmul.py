@@ -10,6 +10,20 @@ skinny sgemm; `install.sh` builds it ahead (`python3 -m mtp_serve.quantized_matm
 Skipped (MLX's own kernel computes, as before) on CPUs without AVX2/FMA/F16C,
 without cmake/g++/nanobind, off the CPU device, or with MTP_SERVE_NO_QMM=1;
 `status()` says which, once, for the start-up log.
+
+Two numerics (`set_numerics`, `--quantized-matmul` on mtp-serve and mtp-tune, or
+MTP_SERVE_QUANTIZED_MATMUL): "exact" computes the dequantized product in fp32
+(MLX's product up to summation order); "int8" quantizes each row of x by blocks
+of 32 to int8 and sums in integers (llama.cpp's Q8_0 scheme; 4 and 8 bits, 2 bits
+stay exact), cheaper per row but x loses precision. Both give each row the same
+bits whatever the rows beside it. Set it before the model's first step: compiled
+steps keep the numerics they traced.
+
+The default is exact. int8 is 1.3-2x faster in the kernel at 0.8B shapes, but a
+verify window's attention is not bit-identical to T single steps (~1e-7, on every
+family, MLX's kernel too); exact numerics keep that 1e-7, while int8 rounding
+turns it into a flipped int8 step in some row of x, ~1e-2 in the logits, and
+greedy MTP then leaves plain decoding's tokens away from any near tie (issue 23).
 """
 
 from __future__ import annotations
@@ -37,12 +51,15 @@ SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "CMakeLists.txt")
 MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+NUMERICS = ("exact", "int8")
+DEFAULT_NUMERICS = "exact"  # int8 breaks MTP = plain: see the note below
 
 log = logging.getLogger("mtp_serve.quantized_matmul")
 
 _EXT: Optional[ModuleType] = None
 _STATUS: Optional[str] = None  # None: not tried yet
 _threads: Optional[int] = None
+_numerics: Optional[str] = None  # None: the environment's, else DEFAULT_NUMERICS
 
 
 def _key() -> str:
@@ -131,7 +148,7 @@ def load() -> Optional[ModuleType]:
             except (ImportError, OSError) as e:
                 why = f"cannot load {path}: {e}"
     if _EXT is not None:
-        _STATUS = "quantized decode matmuls (up to 64 rows): mtp-serve's kernel"
+        _STATUS = f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics"
     else:
         _STATUS = f"quantized matmuls: MLX's kernel (mtp-serve's decode kernel off: {why})"
         log.warning("%s", _STATUS)
@@ -141,7 +158,27 @@ def load() -> Optional[ModuleType]:
 def status() -> str:
     """One line for start-up logs (loads the extension if not tried yet)."""
     load()
+    if _EXT is not None:  # the numerics may have been set after loading
+        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics"
     return _STATUS or ""
+
+
+def numerics() -> str:
+    """"exact" or "int8": how the kernel computes (set_numerics, else MTP_SERVE_QUANTIZED_MATMUL, else the default)."""
+    if _numerics is not None:
+        return _numerics
+    env = os.environ.get("MTP_SERVE_QUANTIZED_MATMUL", "").strip().lower()
+    if env and env not in NUMERICS:
+        raise ValueError(f"MTP_SERVE_QUANTIZED_MATMUL={env!r}: expected one of {', '.join(NUMERICS)}")
+    return env or DEFAULT_NUMERICS
+
+
+def set_numerics(mode: Optional[str]) -> None:
+    """Choose the kernel's numerics (None: back to the environment's or the default)."""
+    global _numerics
+    if mode is not None and mode not in NUMERICS:
+        raise ValueError(f"quantized matmul numerics {mode!r}: expected one of {', '.join(NUMERICS)}")
+    _numerics = mode
 
 
 def active() -> bool:
@@ -190,7 +227,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     xf = x.reshape(rows, K)
     if xf.dtype != mx.float32:
         xf = xf.astype(mx.float32)
-    y = _EXT.qmm_rows(xf, w, scales, biases, group_size, bits)
+    y = _EXT.qmm_rows(xf, w, scales, biases, group_size, bits, numerics() == "int8")
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
@@ -206,7 +243,7 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, ind
     if xb.dtype != mx.float32:
         xb = xb.astype(mx.float32)
     ib = mx.broadcast_to(indices, batch).reshape(pairs)
-    y = _EXT.gather_qmm_rows(xb, w, scales, biases, ib, M, group_size, bits)
+    y = _EXT.gather_qmm_rows(xb, w, scales, biases, ib, M, group_size, bits, numerics() == "int8")
     y = y.reshape(*batch, M, w.shape[1])
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 

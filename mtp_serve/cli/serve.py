@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the compute dtype)")
     p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="with --kv-bits: values per scale and bias along the head dimension")
+    p.add_argument("--quantized-matmul", choices=("exact", "int8"),
+                   help="numerics of quantized models' decode matmuls: exact (the default: fp32, MLX's product up to "
+                   "rounding) or int8 (each row of x as int8 per 32 values, integer sums: faster, but greedy MTP "
+                   "may then leave plain decoding's tokens)")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "qwen3_coder", "hermes", "none"))
     p.add_argument("--reasoning-parser", default="auto", choices=("auto", "qwen3", "none"))
     p.add_argument("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
@@ -115,6 +119,11 @@ def main(argv=None) -> int:
 
         if not os.path.isfile(args.chat_template):
             return error(f"--chat-template: no such file: {args.chat_template}")
+
+    if args.quantized_matmul:
+        from mtp_serve import quantized_matmul
+
+        quantized_matmul.set_numerics(args.quantized_matmul)
 
     import uvicorn
 

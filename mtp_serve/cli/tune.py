@@ -233,6 +233,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "(token frequencies over these text files) into draft_vocab.json first")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="tune with drafts from the N most frequent tokens and "
                    "store N as the model's draft_vocab_size (0: the whole vocabulary)")
+    p.add_argument("--quantized-matmul", choices=("exact", "int8"),
+                   help="numerics of a quantized model's decode matmuls, as mtp-serve's flag (default exact)")
 
 
 def check_tune_arguments(args) -> Optional[str]:
@@ -267,6 +269,10 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     from mtp_serve.models.loader import CheckpointError, load_model
 
     draft_vocab = args.draft_vocab
+    if getattr(args, "quantized_matmul", None):
+        from mtp_serve import quantized_matmul
+
+        quantized_matmul.set_numerics(args.quantized_matmul)
     lm = load_model(model, enable_mtp=True, draft_vocab=draft_vocab)
     if not lm.model.has_mtp:
         raise CheckpointError(f"{lm.path}: {lm.mtp_status}; add the head with: {lm.mtp_fix}")

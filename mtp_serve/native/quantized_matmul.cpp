@@ -22,6 +22,20 @@
 // for 1..any rows (verify windows score exactly like plain steps). Compiled with
 // -ffp-contract=off so that scalar code is never contracted differently per path.
 //
+// Integer variant (mode int8, bits 4 and 8): each row of x is quantized by blocks
+// of 32 to int8 (d = max|x| / 127, q = round(x / d), like llama.cpp's Q8_0), and
+//
+//   y[m, n] = sum_blocks s[n, g] * d[m, b] * (sum_{k in b} q[n, k] xq[m, k]) + sum_g b[n, g] * xsum[m, g]
+//
+// with the integer sums exact (4 bits: maddubs u8 x s8 then madd; 8 bits: madd
+// s16 x s16) and xsum[m, g] = sum_{b in g} d[m, b] * sum_{k in b} xq[m, k], the sums
+// of the rounded x: y is then dequant(W) against the rounded x. Per 64 weights an extra row
+// then costs 7 instructions (maddubs x2, add, madd, convert, multiply, FMA)
+// instead of 64 FMAs over 8 lanes and the unpacking. The float part of every
+// output element is again one fixed sequence whatever the rows or threads, and
+// quantizing x is per row, so rows stay bit-identical across row counts. It is
+// not MLX's product: x loses precision to int8 (the tests state the error).
+//
 // Gathered variant (MoE experts, mlx-lm's `gather_qmm`): each (token, expert)
 // pair's rows; pairs are grouped by expert so one expert's weights are read
 // once for every row routed to it.
@@ -52,6 +66,13 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 
 namespace {
+
+#ifndef I8_R
+#define I8_R 2
+#endif
+#ifndef I8_MM
+#define I8_MM 4
+#endif
 
 
 // ------------------------------------------------------------------ scale/bias loads
@@ -137,7 +158,7 @@ inline __m256 chunk_scale(const void* s, long row0, int c, int chunks_per_group)
 }
 
 struct Job {
-  const Prep* prep;
+  const void* prep;  // Prep or PrepI8
   const uint32_t* w;  // this expert's [N, K*bits/32]
   const void* scales;  // [N, G]
   const void* biases;
@@ -147,12 +168,30 @@ struct Job {
   float* out;  // [*, N]
 };
 
+// out[m, n + r] = hsum(acc[r][m]) + sum_g b[n + r, g] * xsum[m, g] (8 groups a lane, then the tail).
+template <int ST, int R, int MM>
+inline __attribute__((always_inline)) void finish(const Job& jb, const int* rows, long n, const float* xsums, int G,
+                                                  const __m256 (&acc)[R][MM]) {
+  for (int r = 0; r < R; r++) {
+    const long b0 = (n + r) * long(G);
+    for (int m = 0; m < MM; m++) {
+      const float* xs = xsums + size_t(rows[m]) * G;
+      __m256 bacc = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= G; g += 8) bacc = _mm256_fmadd_ps(ld8<ST>(jb.biases, b0 + g), _mm256_loadu_ps(xs + g), bacc);
+      float t = hsum(bacc);
+      for (; g < G; g++) t = t + ld1<ST>(jb.biases, b0 + g) * xs[g];
+      jb.out[size_t(rows[m]) * jb.N + n + r] = hsum(acc[r][m]) + t;
+    }
+  }
+}
+
 // R rows of W (from n) against MM rows of x (from rows).
 template <int BITS, int ST, int SPLIT, int R, int MM>
 inline __attribute__((always_inline)) void block(const Job& jb, const int* rows, long n) {
   constexpr int EPW = 32 / BITS;
   constexpr uint32_t FIELD = (1u << BITS) - 1;
-  const Prep& p = *jb.prep;
+  const Prep& p = *static_cast<const Prep*>(jb.prep);
   const int K = p.K, G = p.G, Kw = K / EPW, chunks = Kw / 8;
   const int cpg = std::max(1, p.gs / (8 * EPW));
   const float* xr[MM];
@@ -182,19 +221,7 @@ inline __attribute__((always_inline)) void block(const Job& jb, const int* rows,
       for (int m = 0; m < MM; m++) acc[r][m] = _mm256_fmadd_ps(s, dot[r][m], acc[r][m]);
     }
   }
-  // Bias term: sum_g b[n, g] * xsum[m, g], 8 groups a lane, then the tail.
-  for (int r = 0; r < R; r++) {
-    const long b0 = (n + r) * long(G);
-    for (int m = 0; m < MM; m++) {
-      const float* xs = p.xs.data() + size_t(rows[m]) * G;
-      __m256 bacc = _mm256_setzero_ps();
-      int g = 0;
-      for (; g + 8 <= G; g += 8) bacc = _mm256_fmadd_ps(ld8<ST>(jb.biases, b0 + g), _mm256_loadu_ps(xs + g), bacc);
-      float t = hsum(bacc);
-      for (; g < G; g++) t = t + ld1<ST>(jb.biases, b0 + g) * xs[g];
-      jb.out[size_t(rows[m]) * jb.N + n + r] = hsum(acc[r][m]) + t;
-    }
-  }
+  finish<ST, R, MM>(jb, rows, n, p.xs.data(), G, acc);
 }
 
 // Rows [n0, n1) of W against all the job's rows of x: 4 rows of W (2 KB at K = 1024,
@@ -239,6 +266,194 @@ SpanFn pick(int bits, int st, int gs) {
   if (bits == 4) return pick_st<4>(st, split);
   return pick_st<8>(st, split);
 }
+
+// ------------------------------------------------------------------ the integer kernel (mode int8)
+
+// x prepared once per call: per row, K int8s (4 bits: each chunk of 64 as the even
+// elements then the odd ones, the order of the low and the high nibbles of its 32
+// packed bytes; 8 bits: K int16s in order), the block scales d (4 bits: 8 floats a
+// chunk, lanes 0-3 its first block's, 4-7 its second's; 8 bits: one a block) and
+// the group sums of the rounded x.
+struct PrepI8 {
+  int K, G, gs, bits;
+  std::vector<int8_t> q4;
+  std::vector<int16_t> q8;
+  std::vector<float> d, xs;
+
+  void build(const float* x, long rows, int K_, int gs_, int bits_) {
+    K = K_, gs = gs_, bits = bits_, G = K / gs;
+    const int blocks = K / 32;
+    std::vector<int8_t> q(K);
+    std::vector<float> db(blocks);
+    if (bits == 4) {
+      q4.resize(size_t(rows) * K);
+      d.resize(size_t(rows) * blocks * 4);
+    } else {
+      q8.resize(size_t(rows) * K);
+      d.resize(size_t(rows) * blocks);
+    }
+    xs.resize(size_t(rows) * G);
+    for (long m = 0; m < rows; m++) {
+      const float* xr = x + size_t(m) * K;
+      for (int b = 0; b < blocks; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xr[32 * b + i]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        db[b] = amax / 127.0f;
+        for (int i = 0; i < 32; i++) q[32 * b + i] = int8_t(std::nearbyint(xr[32 * b + i] * id));
+      }
+      if (bits == 4) {
+        int8_t* p = q4.data() + size_t(m) * K;
+        float* dp = d.data() + size_t(m) * blocks * 4;
+        for (int c = 0; c < K / 64; c++) {
+          for (int i = 0; i < 32; i++) p[64 * c + i] = q[64 * c + 2 * i], p[64 * c + 32 + i] = q[64 * c + 2 * i + 1];
+          for (int i = 0; i < 8; i++) dp[8 * c + i] = db[2 * c + i / 4];
+        }
+      } else {
+        std::copy(q.begin(), q.end(), q8.begin() + size_t(m) * K);
+        std::copy(db.begin(), db.end(), d.begin() + size_t(m) * blocks);
+      }
+      // The bias term's sums are of the rounded x (d * sum of its int8s), so that the product is
+      // dequant(W) against the rounded x: with exact sums, s * sum(q * x) and b * sum(x), which
+      // nearly cancel (b is about -2^(bits-1) s), would keep the rounding error of the first alone.
+      for (int g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (int b = g * gs / 32; b < (g + 1) * gs / 32; b++) {
+          int t = 0;
+          for (int i = 0; i < 32; i++) t += q[32 * b + i];
+          s += db[b] * float(t);
+        }
+        xs[size_t(m) * G + g] = s;
+      }
+    }
+  }
+};
+
+// 4 bits, R rows of W against MM rows of x: per chunk of 64 weights (32 bytes), the
+// low and high nibbles as u8 against the row's int8s (maddubs: at most 2 * 15 * 127
+// a pair, summed low + high in int16: 7620), then to int32 pairs and to float.
+template <int ST, int GS, int R, int MM>
+inline __attribute__((always_inline)) void block_i4(const Job& jb, const int* rows, long n) {
+  const PrepI8& p = *static_cast<const PrepI8*>(jb.prep);
+  const int K = p.K, G = p.G, Kw = K / 8, chunks = K / 64;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq[MM];
+  const float* xd[MM];
+  for (int m = 0; m < MM; m++) {
+    xq[m] = p.q4.data() + size_t(rows[m]) * K;
+    xd[m] = p.d.data() + size_t(rows[m]) * (K / 8);
+  }
+  const uint32_t* wr[R];
+  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
+  for (int c = 0; c < chunks; c++) {
+    __m256i lo[R], hi[R];
+    __m256 sv[R];
+    for (int r = 0; r < R; r++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + 8 * c));
+      lo[r] = _mm256_and_si256(v, low);
+      hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      const long g0 = (n + r) * long(G);
+      if constexpr (GS == 32)
+        sv[r] = _mm256_setr_m128(_mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * c)), _mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * c + 1)));
+      else
+        sv[r] = _mm256_set1_ps(ld1<ST>(jb.scales, g0 + c * 64 / GS));
+    }
+    for (int m = 0; m < MM; m++) {
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 64 * c));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 64 * c + 32));
+      const __m256 dv = _mm256_loadu_ps(xd[m] + 8 * c);
+      for (int r = 0; r < R; r++) {
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl), _mm256_maddubs_epi16(hi[r], xh));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        acc[r][m] = _mm256_fmadd_ps(f, _mm256_mul_ps(sv[r], dv), acc[r][m]);
+      }
+    }
+  }
+  finish<ST, R, MM>(jb, rows, n, p.xs.data(), G, acc);
+}
+
+// 8 bits: per block of 32 weights, u8 -> s16 against the row's int16s (madd: at most
+// 2 * 255 * 127 a pair), to float, scaled by s * d.
+template <int ST, int GS, int R, int MM>
+inline __attribute__((always_inline)) void block_i8(const Job& jb, const int* rows, long n) {
+  const PrepI8& p = *static_cast<const PrepI8*>(jb.prep);
+  const int K = p.K, G = p.G, Kw = K / 4, blocks = K / 32;
+  const int16_t* xq[MM];
+  const float* xd[MM];
+  for (int m = 0; m < MM; m++) {
+    xq[m] = p.q8.data() + size_t(rows[m]) * K;
+    xd[m] = p.d.data() + size_t(rows[m]) * blocks;
+  }
+  const uint32_t* wr[R];
+  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
+  for (int c = 0; c < blocks; c++) {
+    __m256i wa[R], wb[R];
+    float sc[R];
+    for (int r = 0; r < R; r++) {
+      const auto* b = reinterpret_cast<const __m128i*>(wr[r] + 8 * c);
+      wa[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128(b));
+      wb[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128(b + 1));
+      sc[r] = ld1<ST>(jb.scales, (n + r) * long(G) + c * 32 / GS);
+    }
+    for (int m = 0; m < MM; m++) {
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * c));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * c + 16));
+      const float dm = xd[m][c];
+      for (int r = 0; r < R; r++) {
+        const __m256i i32 = _mm256_add_epi32(_mm256_madd_epi16(wa[r], xa), _mm256_madd_epi16(wb[r], xb));
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_set1_ps(sc[r] * dm), acc[r][m]);
+      }
+    }
+  }
+  finish<ST, R, MM>(jb, rows, n, p.xs.data(), G, acc);
+}
+
+template <int BITS, int ST, int GS, int R, int MM>
+inline __attribute__((always_inline)) void block_int(const Job& jb, const int* rows, long n) {
+  if constexpr (BITS == 4) block_i4<ST, GS, R, MM>(jb, rows, n);
+  else block_i8<ST, GS, R, MM>(jb, rows, n);
+}
+
+// As span(): R rows of W at a time meet x MM rows at a time.
+template <int BITS, int ST, int GS>
+void span_int(const Job& jb, long n0, long n1) {
+  constexpr int R = I8_R, MM = I8_MM;
+  const int M = jb.nrows;
+  long n = n0;
+  for (; n + R <= n1; n += R) {
+    int m = 0;
+    for (; m + MM <= M; m += MM) block_int<BITS, ST, GS, R, MM>(jb, jb.rows + m, n);
+    for (; m < M; m++) block_int<BITS, ST, GS, R, 1>(jb, jb.rows + m, n);
+  }
+  for (; n < n1; n++) {
+    int m = 0;
+    for (; m + MM <= M; m += MM) block_int<BITS, ST, GS, 1, MM>(jb, jb.rows + m, n);
+    for (; m < M; m++) block_int<BITS, ST, GS, 1, 1>(jb, jb.rows + m, n);
+  }
+}
+
+template <int BITS, int ST>
+SpanFn pick_int_gs(int gs) {
+  if (gs == 32) return span_int<BITS, ST, 32>;
+  if (gs == 64) return span_int<BITS, ST, 64>;
+  return span_int<BITS, ST, 128>;
+}
+
+template <int BITS>
+SpanFn pick_int_st(int st, int gs) {
+  if (st == F32) return pick_int_gs<BITS, F32>(gs);
+  if (st == BF16) return pick_int_gs<BITS, BF16>(gs);
+  return pick_int_gs<BITS, F16>(gs);
+}
+
+SpanFn pick_int(int bits, int st, int gs) { return bits == 4 ? pick_int_st<4>(st, gs) : pick_int_st<8>(st, gs); }
 
 // ------------------------------------------------------------------ thread pool
 
@@ -318,11 +533,16 @@ int scale_type(mx::Dtype d) {
 
 // tasks: (expert, rows routed to it); every task has N rows of W.
 void compute(const float* x, long xrows, int K, const uint32_t* w, const void* scales, const void* biases, int st,
-             long N, int gs, int bits, const std::vector<std::pair<long, std::vector<int>>>& tasks, float* out) {
+             long N, int gs, int bits, bool int8, const std::vector<std::pair<long, std::vector<int>>>& tasks,
+             float* out) {
   const auto t0 = std::chrono::steady_clock::now();
   Prep prep;
-  prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = pick(bits, st, gs);
+  PrepI8 prep8;
+  int8 = int8 && (bits == 4 || bits == 8);  // 2 bits: the exact kernel
+  if (int8) prep8.build(x, xrows, K, gs, bits);
+  else prep.build(x, xrows, K, gs, bits);
+  const SpanFn fn = int8 ? pick_int(bits, st, gs) : pick(bits, st, gs);
+  const void* pp = int8 ? static_cast<const void*>(&prep8) : static_cast<const void*>(&prep);
   const long Kw = K / (32 / bits), G = K / gs;
   const size_t ssz = st == F32 ? 4 : 2;
   const long units = N * long(tasks.size());
@@ -331,7 +551,7 @@ void compute(const float* x, long xrows, int K, const uint32_t* w, const void* s
     for (long u = u0; u < u1;) {
       const long t = u / N, n0 = u % N, n1 = std::min(N, n0 + (u1 - u));
       const long e = tasks[t].first;
-      Job jb{&prep,
+      Job jb{pp,
              w + size_t(e) * N * Kw,
              static_cast<const char*>(scales) + size_t(e) * N * G * ssz,
              static_cast<const char*>(biases) + size_t(e) * N * G * ssz,
@@ -357,8 +577,8 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
  public:
   // rows_per_pair == 0: dense (inputs x, w, scales, biases); otherwise gathered
   // (inputs x, w, scales, biases, indices; x holds rows_per_pair rows per index).
-  QuantizedMatmulRows(mx::Stream s, int group_size, int bits, int rows_per_pair)
-      : mx::UnaryPrimitive(s), gs_(group_size), bits_(bits), rpp_(rows_per_pair) {}
+  QuantizedMatmulRows(mx::Stream s, int group_size, int bits, int rows_per_pair, bool int8)
+      : mx::UnaryPrimitive(s), gs_(group_size), bits_(bits), rpp_(rows_per_pair), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -384,7 +604,7 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
     }
     enc.dispatch([x = x.data<float>(), w = w.data<uint32_t>(), sc = static_cast<const void*>(sc.data<char>()), bi = static_cast<const void*>(bi.data<char>()),
                   o = out.data<float>(), idx, pairs, rpp = rpp_, E = rpp_ ? w.shape(0) : 1, tasks, xrows, K, N, st,
-                  gs = gs_, bits = bits_]() mutable {
+                  gs = gs_, bits = bits_, int8 = int8_]() mutable {
       if (idx != nullptr) {  // group the pairs' rows by expert (indices are read only now: computed upstream)
         std::vector<std::vector<int>> by(E);
         for (long p = 0; p < pairs; p++) {
@@ -397,7 +617,7 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
         for (long e = 0; e < E; e++)
           if (!by[e].empty()) tasks.emplace_back(e, std::move(by[e]));
       }
-      compute(x, xrows, int(K), w, sc, bi, st, N, gs, bits, tasks, o);
+      compute(x, xrows, int(K), w, sc, bi, st, N, gs, bits, int8, tasks, o);
     });
   }
 
@@ -405,11 +625,13 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
     throw std::runtime_error("mtp qmm: CPU only");
   }
 
-  const char* name() const override { return rpp_ ? "MtpGatherQMMRows" : "MtpQMMRows"; }
+  const char* name() const override {
+    return rpp_ ? (int8_ ? "MtpGatherQMMRowsInt8" : "MtpGatherQMMRows") : (int8_ ? "MtpQMMRowsInt8" : "MtpQMMRows");
+  }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmulRows&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_ && rpp_ == o.rpp_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && rpp_ == o.rpp_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -419,6 +641,7 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
 
  private:
   int gs_, bits_, rpp_;
+  bool int8_;
 };
 
 void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::array& bi, int gs, int bits,
@@ -437,19 +660,19 @@ void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx
 
 // x [M, K] float32 -> [M, N] float32.
 mx::array qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                   int group_size, int bits) {
+                   int group_size, int bits, bool int8) {
   check(x, w, scales, biases, group_size, bits, 2);
   auto s = mx::to_stream({});
   std::vector<mx::array> in = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
                                mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
   const int M = x.size() / x.shape(-1);
   return mx::array(mx::Shape{M, w.shape(0)}, mx::float32,
-                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0), std::move(in));
+                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0, int8), std::move(in));
 }
 
 // x [P * rows_per_pair, K] float32, indices [P] (expert of each pair) -> [P * rows_per_pair, N].
 mx::array gather_qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                          const mx::array& indices, int rows_per_pair, int group_size, int bits) {
+                          const mx::array& indices, int rows_per_pair, int group_size, int bits, bool int8) {
   check(x, w, scales, biases, group_size, bits, 3);
   if (rows_per_pair < 1 || long(indices.size()) * rows_per_pair != long(x.size() / x.shape(-1)))
     throw std::invalid_argument("mtp gather qmm: x rows != indices * rows_per_pair");
@@ -459,7 +682,7 @@ mx::array gather_qmm_rows(const mx::array& x, const mx::array& w, const mx::arra
                                mx::contiguous(mx::astype(mx::flatten(indices, s), mx::uint32, s), false, s)};
   const int M = x.size() / x.shape(-1);
   return mx::array(mx::Shape{M, w.shape(1)}, mx::float32,
-                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, rows_per_pair), std::move(in));
+                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, rows_per_pair, int8), std::move(in));
 }
 
 bool cpu_supported() {
@@ -471,9 +694,9 @@ bool cpu_supported() {
 
 NB_MODULE(_mtp_qmm, m) {
   m.doc() = "mtp-serve's decode-sized quantized matmuls (CPU, AVX2/FMA)";
-  m.def("qmm_rows", &qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a);
+  m.def("qmm_rows", &qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, "int8"_a = false);
   m.def("gather_qmm_rows", &gather_qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, "rows_per_pair"_a,
-        "group_size"_a, "bits"_a);
+        "group_size"_a, "bits"_a, "int8"_a = false);
   m.def("cpu_supported", &cpu_supported);
   m.def("set_threads", [](int n) { pool.set_threads(n); });
   m.def("threads", [] { return pool.threads(); });
