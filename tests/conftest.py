@@ -8,12 +8,12 @@ import pytest
 
 # Test tiers. A plain `pytest` runs the fast tier, for local work; `--all-tiers` (the
 # README's test command, which CI runs) runs every tier. An explicit `-m` picks for itself.
-SLOW_TIERS = ("e2e", "agents", "slow", "browser")
+SLOW_TIERS = ("e2e", "agents", "slow", "browser", "distribution")
 
 
 def pytest_addoption(parser):
     parser.addoption("--all-tiers", action="store_true",
-                     help="run every tier (e2e, agents, slow, browser) besides the fast one; CI does")
+                     help="run every tier (e2e, agents, slow, browser, distribution) besides the fast one; CI does")
 
 
 def pytest_collection_modifyitems(config, items):

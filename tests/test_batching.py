@@ -157,6 +157,7 @@ def test_adaptive_policy_explores_and_stays_exact(loaded):
     assert tried == {0, 1, 2, 3}, policy.summary()
 
 
+@pytest.mark.distribution
 def test_batched_sampling_matches_plain_distribution(loaded):
     """The distribution test with the sequence under test batched beside another."""
     lm = loaded("qwen3_5", agreeable=True)

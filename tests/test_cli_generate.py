@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the CLI in subprocesses (conftest.py: test tiers)
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "mtp_serve.cli.generate", *args], capture_output=True, text=True, timeout=300)

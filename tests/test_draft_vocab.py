@@ -65,6 +65,7 @@ def test_drafts_come_from_the_subset(subset_model):
     assert (q[:, outside] == -float("inf")).all().item()
 
 
+@pytest.mark.distribution
 def test_unseeded_sampling_keeps_the_plain_distribution(subset_model):
     lm, _ = subset_model
     # (max_tokens 4: the round after the first token may emit the other 3, so it drafts 2)

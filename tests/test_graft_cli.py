@@ -18,6 +18,8 @@ from mtp_serve.models.loader import load_model
 from mtp_serve.models.model_card import load_card
 from mtp_serve.models.mtp_weights import is_mtp_key
 
+pytestmark = pytest.mark.slow  # the CLIs in subprocesses, a demo conversion (conftest.py: test tiers)
+
 REV = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -109,6 +109,7 @@ def test_constrained_and_free_rows_share_a_batch(loaded):
     assert text_of(lm, out["choice"]) in ("yes", "no", "maybe")
 
 
+@pytest.mark.distribution
 def test_constrained_sampling_matches_constrained_plain_distribution(loaded):
     """Unseeded sampling: drafts from the masked q, rejection against the masked p."""
     lm = loaded("qwen3_5", agreeable=True)

@@ -341,6 +341,7 @@ def test_a_snapshot_is_never_restored_at_another_setting(at, tmp_path, caplog):
 # ---------------------------------------------------------------- the server
 
 
+@pytest.mark.e2e
 def test_server_reports_its_kv_setting(checkpoint_dir):
     path = checkpoint_dir("qwen3_5", agreeable=True, head_dim=32)
     with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2", "--kv-bits", "4", "--kv-group-size", "32",

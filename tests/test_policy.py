@@ -6,6 +6,8 @@ are always wrong."""
 
 from dataclasses import dataclass, field
 
+import pytest
+
 import mtp_serve.engine.speculative as speculative
 from mtp_serve.engine.policy import ROW_REPROBE_EVERY, DepthPolicy
 from mtp_serve.engine.sampling import SamplingParams
@@ -103,6 +105,7 @@ def test_no_row_drafts_past_its_max_tokens(demo_model, monkeypatch):
     assert ("a", 2, 1) in seen, seen  # after its first token, "a" may emit 2 more: one draft
 
 
+@pytest.mark.slow
 def test_scheduler_sends_a_row_with_wrong_drafts_to_depth_zero(demo_model, monkeypatch):
     """Real rounds on the demo model (its head is accepted ~90% of the time): one row's
     head proposals are replaced by a token the backbone never picks in code (a head

@@ -16,6 +16,8 @@ from mtp_serve.engine.generator import generate
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams, TokenHistory, target_logprobs
 
+pytestmark = pytest.mark.distribution  # chi-square runs of minutes (conftest.py: test tiers)
+
 N_SAMPLES = 1000
 N_POS = 4  # the round after the first token may emit the other 3: at depth 2 it drafts 2 (positions 1, 2)
 PROMPT = [11, 22, 33, 44, 55, 66]
