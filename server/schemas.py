@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (`extra="ignore"`), as OpenAI clients expect;
 messages keep theirs (`extra="allow"`) so chat templates can read fields such
-as `reasoning_content`. Responses are plain dicts built in `openai_format.py`.
+as `reasoning_content`. Responses are plain dicts built in each API's adapter.
 
 Types are strict, as the schema says (`"max_tokens": "8"` and `"stream": "yes"`
 are refused, not converted; an integer is a number), and no number may be NaN or
