@@ -3,7 +3,9 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
 
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
                                     [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
+                                    [--numerics exact int8]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
+    python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
 248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
@@ -20,6 +22,8 @@ Per row:
   over its time, against the stream bandwidth measured here (an fp32 matvec over 512 MB);
 - where a forward's time goes: milliseconds inside the quantized kernel of a T=1 and a
   T=4 forward (the rest: GatedDeltaNet and attention, norms, dispatch).
+With several --numerics (the kernel's exact fp32 and int8 products), each is a line
+of the table on the same model (mlx-lm measured once), one after the other.
 Each row runs a few minutes on 2 cores; pick rows with --rows.
 """
 
@@ -38,6 +42,7 @@ from cost_model import QWEN35_VOCAB, cost_ratios, measure_costs
 from mtp_serve import BACKEND
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve.engine.warmup import calibrate_blas_threads
+from mtp_serve.models.compiled_steps import CompiledLayers
 from mtp_serve.models.quantized_layers import install_decode_qmm, use_kernel
 from mtp_serve.testing.quantized import quantize_head, quantize_mlx_lm_model
 
@@ -131,26 +136,44 @@ def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
     return (n - 1) / (last - first)
 
 
-def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
+def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
+    """One row per numerics, on one model."""
     t0 = pc()
     model, text = quantized_model(shape, bits, not args.fp32_head)
     lm = type("LM", (), {"model": model, "tokenizer": Tok()})()
-    calibrate_blas_threads(model, lm.tokenizer)
-    prompt = mx.random.randint(0, QWEN35_VOCAB, (32,), key=mx.random.key(1)).tolist()
     print(f"[{shape} {bits}-bit] built in {pc() - t0:.0f}s", flush=True)
+    prompt = mx.random.randint(0, QWEN35_VOCAB, (32,), key=mx.random.key(1)).tolist()
+    ref_tok_s = mlx_lm_tok_s(lm, prompt, args.mlx_lm_tokens)
+    rows = []
+    for numerics in args.numerics:
+        qmm_ext.set_numerics(numerics)
+        model.compiled = CompiledLayers()  # compiled steps keep the numerics they traced
+        rows.append(run_row(lm, text, shape, bits, numerics, prompt, ref_tok_s, args, bandwidth))
+    del model, lm
+    gc.collect()
+    mx.clear_cache()
+    return rows
+
+
+def run_row(lm, text: dict, shape: str, bits: int, numerics: str, prompt: list, ref_tok_s: float, args,
+            bandwidth: float) -> dict:
+    t0 = pc()
+    model = lm.model
+    calibrate_blas_threads(model, lm.tokenizer)
     costs = cost_ratios(measure_costs(model, context=32, reps=3))
     reference, plain, _ = decode(lm, prompt, args.tokens + 8, 0)
-    ref_tok_s = mlx_lm_tok_s(lm, prompt, args.mlx_lm_tokens)
     for K in args.depths:  # trace every depth's shapes (compiled steps, MLX's fused kernels) before timing
         decode(lm, prompt, 12, K)
-    row = dict(shape=shape, bits=bits, step_ms=costs["step_ms"], verify=costs["verify"], draft=costs["draft"],
+    row = dict(shape=shape, bits=bits, numerics=numerics, step_ms=costs["step_ms"], verify=costs["verify"],
+               draft=costs["draft"],
                bytes=bytes_per_step(model, text), mlx_lm=ref_tok_s, mtp={},
                kernel={T: kernel_share(model, T) for T in (1, 4)})
     plain_runs = [plain]
     with oracle_drafts(reference, args.acceptance, QWEN35_VOCAB):
         for K in args.depths:
             toks, tok_s, tpr = decode(lm, prompt, args.tokens, K)
-            assert toks == reference[: len(toks)], "MTP changed the output"
+            if numerics == "exact":  # int8: see quantized_matmul.DEFAULT_NUMERICS
+                assert toks == reference[: len(toks)], "MTP changed the output"
             plain_runs.append(decode(lm, prompt, args.tokens, 0)[1])  # alternate: load drift hits both
             E = sum(args.acceptance**j for j in range(K + 1))
             # against the plain run beside it (a busy machine's drift hits the pair alike)
@@ -158,15 +181,12 @@ def run_row(shape: str, bits: int, args, bandwidth: float) -> dict:
                                  limit=E / (costs["verify"][K + 1] + K * costs["draft"]))
     row["plain"] = sorted(plain_runs)[len(plain_runs) // 2]  # median
     row["bandwidth_share"] = row["bytes"] * row["plain"] / bandwidth
-    print(f"[{shape} {bits}-bit] plain {row['plain']:.2f} tok/s, mlx-lm {ref_tok_s:.2f} "
+    print(f"[{shape} {bits}-bit {numerics}] plain {row['plain']:.2f} tok/s, mlx-lm {ref_tok_s:.2f} "
           f"({row['plain'] / ref_tok_s:.1f}x); verify T=4 {costs['verify'][4]:.2f}, draft {costs['draft']:.3f} steps; "
           + ", ".join(f"K{K} {m['ratio']:.2f}x (limit {m['limit']:.2f}x)" for K, m in row["mtp"].items())
           + f"; {row['bytes'] / 1e6:.0f} MB/step at {row['bandwidth_share']:.2f} of bandwidth; kernel "
           + ", ".join(f"{k:.0f} of {w:.0f} ms at T={T}" for T, (w, k) in row["kernel"].items()) + " "
           f"({pc() - t0:.0f}s)", flush=True)
-    del model, lm
-    gc.collect()
-    mx.clear_cache()
     return row
 
 
@@ -194,6 +214,55 @@ def compare_heads(shape: str, bits: int) -> None:
         print(f"[{shape} {bits}-bit body] {name}: draft {d:.3f} plain steps ({d * st:.1f} ms; step {st:.0f} ms)", flush=True)
 
 
+def kernel_only(bits: int, threads: int) -> None:
+    """The products alone at Qwen3.5-0.8B's shapes (min of repeated calls, ms): exact and int8
+    numerics against MLX's `quantized_matmul` and an fp32 matmul of the same shape; then a
+    prefill-sized product: MLX's kernel, dequantized per call (what prefill runs), fp32 resident."""
+    from mtp_serve.models.quantized_layers import dequantized_matmul
+
+    def best(f, reps):
+        f()
+        times = []
+        for _ in range(reps):
+            t0 = pc()
+            f()
+            times.append(pc() - t0)
+        return 1e3 * min(times)
+
+    qmm_ext.set_threads(threads)
+    print(f"{bits}-bit, group {GROUP_SIZE}, kernel on {threads} thread(s); ms per product (min of repeats)")
+    print("| shape (out x in) | rows | exact | int8 | MLX quantized_matmul | fp32 matmul |\n|---|---|---|---|---|---|")
+    for N, K in ((6144, 1024), (3584, 1024), (1024, 3584), (248320, 1024)):
+        w, s, b = mx.quantize(0.05 * mx.random.normal((N, K)), group_size=GROUP_SIZE, bits=bits)
+        W = mx.random.normal((N, K))
+        mx.eval(w, s, b, W)
+        reps = 5 if N > 100000 else 15
+        for M in (1, 2, 4, 8):
+            x = mx.random.normal((M, K))
+            mx.eval(x)
+            t = {}
+            for mode in qmm_ext.NUMERICS:
+                qmm_ext.set_numerics(mode)
+                t[mode] = best(lambda: mx.eval(qmm_ext.qmm(x, w, s, b, GROUP_SIZE, bits)), reps)
+            ref = best(lambda: mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=GROUP_SIZE,
+                                                          bits=bits)), 3) if N < 100000 else float("nan")
+            fp = best(lambda: mx.eval(x @ W.T), reps)
+            print(f"| {N} x {K} | {M} | {t['exact']:.3f} | {t['int8']:.3f} | {ref:.2f} | {fp:.3f} |", flush=True)
+        del W
+    qmm_ext.set_numerics(None)
+    N, K = 3584, 1024
+    w, s, b = mx.quantize(0.05 * mx.random.normal((N, K)), group_size=GROUP_SIZE, bits=bits)
+    W = mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits)
+    for M in (64, 512):
+        x = mx.random.normal((M, K))
+        mx.eval(w, s, b, W, x)
+        mlx = best(lambda: mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=GROUP_SIZE, bits=bits)), 2)
+        deq = best(lambda: mx.eval(dequantized_matmul(x, w, s, b, GROUP_SIZE, bits)), 3)
+        fp = best(lambda: mx.eval(x @ W.T), 3)
+        print(f"prefill-sized, {N} x {K}, {M} rows: MLX's kernel {mlx:.1f} ms, dequantized per call {deq:.1f} ms "
+              f"(what mtp-serve runs), fp32 resident {fp:.1f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", default=["0.8b:4", "0.8b:8", "2b:4", "2b:8", "4b:4", "4b:8", "a3b:4", "a3b:8"])
@@ -202,11 +271,19 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--fp32-head", action="store_true", help="keep the MTP head unquantized (mtp-graft's default)")
+    ap.add_argument("--numerics", nargs="+", default=[qmm_ext.DEFAULT_NUMERICS], choices=qmm_ext.NUMERICS,
+                    help="the kernel's numerics, a line each (default: mtp-serve's default)")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
+    ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")
+    ap.add_argument("--bits", type=int, default=4, help="with --kernel")
+    ap.add_argument("--threads", type=int, default=1, help="with --kernel: the kernel's threads")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
+    if args.kernel:
+        kernel_only(args.bits, args.threads)
+        return
     if args.compare_heads:
         for spec in args.rows:
             shape, bits = spec.split(":")
@@ -217,15 +294,15 @@ def main() -> None:
     rows = []
     for spec in args.rows:
         shape, bits = spec.split(":")
-        rows.append(run_row(shape, int(bits), args, bandwidth))
+        rows += run_rows(shape, int(bits), args, bandwidth)
     Ks = args.depths
-    print(f"\n| shape | bits | plain tok/s | mlx-lm tok/s | x mlx-lm | verify T=2/3/4/5 (steps) | draft (steps) | "
+    print(f"\n| shape | bits | numerics | plain tok/s | mlx-lm tok/s | x mlx-lm | verify T=2/3/4/5 (steps) | draft (steps) | "
           + " | ".join(f"MTP K={K} x plain (limit)" for K in Ks) + " | MB/step | GB/s | of bandwidth | kernel ms of step ms, T=1 | T=4 |")
-    print("|" + "---|" * (12 + len(Ks)))
+    print("|" + "---|" * (13 + len(Ks)))
     for r in rows:
         v = "/".join(f"{r['verify'][T]:.2f}" for T in (2, 3, 4, 5))
         mtp = " | ".join(f"{r['mtp'][K]['ratio']:.2f}x ({r['mtp'][K]['limit']:.2f}x)" for K in Ks)
-        print(f"| {r['shape']} | {r['bits']} | {r['plain']:.2f} | {r['mlx_lm']:.2f} | {r['plain'] / r['mlx_lm']:.1f}x | {v} | "
+        print(f"| {r['shape']} | {r['bits']} | {r['numerics']} | {r['plain']:.2f} | {r['mlx_lm']:.2f} | {r['plain'] / r['mlx_lm']:.1f}x | {v} | "
               f"{r['draft']:.3f} | {mtp} | {r['bytes'] / 1e6:.0f} | {r['bytes'] * r['plain'] / 1e9:.1f} | "
               f"{r['bandwidth_share']:.2f} | " + " | ".join(f"{k:.0f} / {w:.0f}" for w, k in r["kernel"].values()) + " |")
     print(f"plain: median of {1 + len(Ks)} runs; MTP K: over the plain run beside it; "
