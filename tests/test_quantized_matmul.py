@@ -291,6 +291,22 @@ def test_fallback_when_the_extension_is_off():
     assert "MLX's kernel" in out.stdout and "MTP_SERVE_NO_QMM=1" in out.stdout
 
 
+def test_numerics_setting():
+    """Default exact; MTP_SERVE_QUANTIZED_MATMUL or --quantized-matmul (mtp-serve, mtp-tune) choose."""
+    from mtp_serve.cli.serve import build_parser as serve_parser
+    from mtp_serve.cli.tune import build_parser as tune_parser
+
+    assert qmm_ext.DEFAULT_NUMERICS == "exact"
+    assert serve_parser().parse_args(["--quantized-matmul", "int8"]).quantized_matmul == "int8"
+    assert tune_parser().parse_args(["m", "--quantized-matmul", "exact"]).quantized_matmul == "exact"
+    with pytest.raises(ValueError):
+        qmm_ext.set_numerics("int4")
+    code = "import mtp_serve\nfrom mtp_serve import quantized_matmul as q\nprint(q.numerics())\n"
+    env = {**os.environ, "MTP_SERVE_QUANTIZED_MATMUL": "int8"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "int8", out.stderr
+
+
 # ---------------------------------------------------------------- end to end on quantized synthetic models
 
 N_TOKENS = 24
