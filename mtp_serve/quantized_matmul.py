@@ -19,11 +19,13 @@ stay exact), cheaper per row but x loses precision. Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 
-The default is exact. int8 is 1.3-2x faster in the kernel at 0.8B shapes, but a
-verify window's attention is not bit-identical to T single steps (~1e-7, on every
-family, MLX's kernel too); exact numerics keep that 1e-7, while int8 rounding
-turns it into a flipped int8 step in some row of x, ~1e-2 in the logits, and
-greedy MTP then leaves plain decoding's tokens away from any near tie (issue 23).
+The default is exact. int8 is 1.4-2.3x faster in the kernel at 0.8B shapes, but a
+verify window's attention is not bit-identical to T single steps: the preloaded
+OpenBLAS computes a small product's row differently at 1 row and at 4 (~1e-7, every
+family). Exact numerics keep that 1e-7, while int8 rounding turns it into a flipped
+int8 step in some row of x, ~1e-2 in the logits, and greedy MTP then leaves plain
+decoding's tokens away from any near tie. With MTP_SERVE_NO_OPENBLAS=1 int8 MTP is
+token-identical to plain (tests/test_quantized_matmul.py; issue 23).
 """
 
 from __future__ import annotations
