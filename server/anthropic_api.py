@@ -25,6 +25,7 @@ from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request, failure_status
 from mtp_serve.server.run import Options, Run, Usage
 from mtp_serve.server.schemas import STRICT, SamplingFields
+from mtp_serve.server.models_registry import service_for
 from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
 from mtp_serve.server.translate import Block, BlockEvent, Blocks, flatten_text, function_tool, unsupported
@@ -229,8 +230,7 @@ def message_body(mid: str, model: str, content: list, stop: tuple, usage_: dict)
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, request: Request):
-    svc: Service = request.app.state.service
-    svc.check_model(req.model)
+    svc = await service_for(request, req.model)
     if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is None:
         raise bad_request("thinking.budget_tokens: required when thinking is enabled", "thinking.budget_tokens")
     prompt = await svc.run_cpu(render, svc, req)
@@ -257,8 +257,7 @@ async def messages(req: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, request: Request):
-    svc: Service = request.app.state.service
-    svc.check_model(req.model)
+    svc = await service_for(request, req.model)
     prompt = await svc.run_cpu(render, svc, req)
     return {"input_tokens": len(prompt.ids)}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,21 +23,25 @@ from mtp_serve.server import anthropic_api, openai_api, responses_api, stats_api
 from mtp_serve.server.auth import APIKeyMiddleware
 from mtp_serve.server.errors import error_body, install_error_handlers
 from mtp_serve.server.limits import BodyLimitMiddleware, check_request
+from mtp_serve.server.models_registry import LeaseMiddleware, Models, ModelsCollector
 from mtp_serve.server.openapi import install_openapi
-from mtp_serve.server.service import ServerConfig, Service
+from mtp_serve.server.service import ServerConfig
 from mtp_serve.server.warmup import warm_up
 
 log = logging.getLogger("mtp_serve")
 
 
-def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastAPI:
+def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop, models: Optional[Models] = None) -> FastAPI:
     """`engine_factory` builds the engine (with EngineLoop's arguments); serving across
-    ranks passes rank 0's `DistributedEngine`."""
-    svc = Service(loaded, config, engine_factory)
+    ranks passes rank 0's `DistributedEngine`. `models`: several served models
+    (`Models.serving(loaded, config, more=...)`, `models_registry.py`); without it, `loaded` alone."""
+    models = models or Models.serving(loaded, config, engine_factory)
+    svc = models.default.service  # the default model's: warm-up, /health, /v1/stats, the web page
+    svc.metrics.registry.register(ModelsCollector(models))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc.engine.start()
+        await models.start()
         if config.warm_up:  # /health answers only after it: the first request then runs warm
             try:
                 report = await warm_up(svc)
@@ -46,11 +51,11 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
         try:
             yield
         finally:
-            svc.engine.stop()
-            svc.cpu.shutdown(wait=False)
+            models.stop()
 
     app = FastAPI(title="mtp-serve", lifespan=lifespan)
     app.state.service = svc
+    app.state.models = models
     install_error_handlers(app, on_error=lambda request, status: svc.metrics.request(request.scope, status))
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_request_bytes, on_reject=svc.metrics.request)
     if config.api_key:  # added last: runs first
@@ -58,6 +63,7 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
         # every call the page makes for data sends the key it was given (web_page.py).
         open_paths = {"/health", "/"} | web_page.OPEN_PATHS | ({"/metrics"} if config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
+    app.add_middleware(LeaseMiddleware, models=models)
     app.state.response_store = responses_api.ResponseStore()
     for api in (openai_api, anthropic_api, responses_api):
         app.include_router(api.router, dependencies=[Depends(check_request)])
@@ -73,7 +79,7 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
 
     def describe():
         return {"object": "server", "name": "mtp-serve", "model": config.served_model_name,
-                "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models",
+                "models": models.names, "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models",
                               "/v1/stats", "/health", "/metrics", "/ui"]}
 
     @app.get("/", responses=web_page.ROOT_RESPONSES)
@@ -90,18 +96,14 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop) -> FastA
     async def metrics():
         return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": config.served_model_name, "object": "model", "created": svc.created, "owned_by": "mtp-serve",
-                "root": str(loaded.path), "max_model_len": svc.max_context}
-
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        """Every served model, loaded or not, with its context and MTP state."""
+        return {"object": "list", "data": models.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        svc.check_model(model_id)
-        return model_card()
+        return models.card(models.lookup(model_id))
 
     install_openapi(app)
     return app

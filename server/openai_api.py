@@ -21,6 +21,7 @@ from mtp_serve.server.errors import bad_request, failure_body
 from mtp_serve.server.parsers import ContentDelta, Event, ParsedOutput, ReasoningDelta, ToolCallStart, prompt_opens_reasoning
 from mtp_serve.server.run import Options, Run, Usage, respond
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from mtp_serve.server.models_registry import service_for
 from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
 
@@ -157,7 +158,6 @@ def openai_stream(svc: Service, events, scope):
 
 
 def check_common(svc: Service, req) -> None:
-    svc.check_model(req.model)
     if req.n != 1:
         raise bad_request("n must be 1: this server returns one choice per request", "n")
 
@@ -184,7 +184,7 @@ def schema_mode(svc: Service, req) -> str:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
-    svc: Service = request.app.state.service
+    svc = await service_for(request, req.model)
     check_common(svc, req)
     prompt = await svc.run_cpu(render_chat, svc, req)
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -228,7 +228,7 @@ async def chat_stream(svc: Service, run: Run, rid: str, created: int, with_usage
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
-    svc: Service = request.app.state.service
+    svc = await service_for(request, req.model)
     check_common(svc, req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")

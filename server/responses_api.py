@@ -30,6 +30,7 @@ from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.parsers import ParsedOutput
 from mtp_serve.server.run import Options, Run, Usage
 from mtp_serve.server.schemas import STRICT, SamplingFields
+from mtp_serve.server.models_registry import service_for
 from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
 from mtp_serve.server.translate import BlockEvent, Blocks, flatten_text, function_tool
@@ -331,8 +332,7 @@ def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request):
-    svc: Service = request.app.state.service
-    svc.check_model(req.model)
+    svc = await service_for(request, req.model)
     store: ResponseStore = request.app.state.response_store
     history = store.get(req.previous_response_id) if req.previous_response_id else []
     prompt, conversation, namespaces = await svc.run_cpu(render, svc, req, history)
