@@ -1,6 +1,8 @@
 """mtp-serve: the OpenAI-compatible server.
 
     mtp-serve --model PATH_OR_REPO --enable-mtp
+    mtp-serve --model A --model B                  # several models; requests pick one by `model`
+    mtp-serve --config configs/claude_code_two_models.toml
 
 Then point an OpenAI client at http://127.0.0.1:8000/v1.
 """
@@ -22,7 +24,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="mtp-serve", description="OpenAI-compatible server with lossless MTP speculative decoding.")
-    p.add_argument("--model", help="local directory or Hugging Face repo id (default: the embedded demo model)")
+    p.add_argument("--model", action="append", help="local directory or Hugging Face repo id (default: the embedded "
+                   "demo model); repeat it to serve several models, the first being the default for requests "
+                   "without a model (the others load on first use)")
+    p.add_argument("--config", metavar="FILE", help="serve the models a TOML file lists, each with its own name, "
+                   "aliases, MTP, context, batch size and prompt cache share (configs/claude_code_two_models.toml)")
+    p.add_argument("--max-loaded-bytes", type=byte_size, metavar="SIZE",
+                   help="with several models: most weight bytes loaded at once; a load past it first unloads the "
+                   "least recently used idle unpinned model (default: the machine's memory)")
     p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
                    "each request's depth is chosen up to it from measured costs and its own acceptance")
@@ -93,6 +102,10 @@ def main(argv=None) -> int:
     def error(msg: str) -> int:
         return fail("mtp-serve", msg)
 
+    try:
+        more = several_models(args)  # the other models' settings; the first's go into args
+    except ValueError as e:
+        return error(str(e))
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
         return error("--mtp-depth must be between 1 and 8")
     if args.max_queue < 1:
@@ -134,6 +147,9 @@ def main(argv=None) -> int:
     from mtp_serve.server.service import ServerConfig, generation_defaults
 
     group = ranks.distributed_ranks(args)  # launched by mlx.launch with several ranks, else None
+    if group is not None and more:
+        return error("several models (--model given twice, or --config) cannot be served across mlx.launch ranks: "
+                     "start one group per model")
     if group is not None:
         refused = ranks.prompt_cache_refusal(args)
         if refused:
@@ -203,14 +219,29 @@ def main(argv=None) -> int:
         warm_up=group is None,  # across ranks every rank takes part in the warm-up rounds below instead
     )
     try:
-        app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
+        if more or args.aliases:
+            from mtp_serve.server.models_registry import Models
+
+            models = Models.serving(loaded, config, more=[spec(m, config) for m in more], aliases=args.aliases,
+                                    max_loaded_bytes=args.max_loaded_bytes)
+            if models.used_bytes() > models.max_loaded_bytes:
+                return error(f"the model {name} needs {models.used_bytes():,} bytes of weights; "
+                             f"--max-loaded-bytes is {models.max_loaded_bytes:,}")
+            app = create_app(loaded, config, models=models)
+        else:
+            app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
     except OSError as e:  # the prompt cache's folder
         return error(f"--prompt-cache-dir: {e}")
+    except ValueError as e:  # a name given twice
+        return error(str(e))
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token); "
           f"{BACKEND.note}", flush=True)
+    for card in app.state.models.cards()[1:]:
+        print(f"mtp-serve: also serving {card['id']}{' (aliases ' + ', '.join(card['aliases']) + ')' if card['aliases'] else ''} "
+              f"({card['root'] or 'the demo model'}): {'loaded now' if card['loaded'] else 'loads on first use'}", flush=True)
     print(f"mtp-serve: web page (playground, live charts, MTP off/on side by side) at http://{args.host}:{args.port}/",
           flush=True)
     if loaded.mtp_fix:
@@ -234,6 +265,64 @@ def main(argv=None) -> int:
     if group is not None:
         return group.serve(app, svc.engine, args.host, args.port, args.log_level)
     return serve_until_stopped(app, args.host, args.port, args.log_level)
+
+
+def several_models(args) -> list:
+    """--model given more than once, or --config: the first model's settings go into `args`
+    (the single-model path serves it as before); returns the others' (dicts of
+    models_config.MODEL_KEYS), empty with one model."""
+    from mtp_serve.cli import models_config
+
+    paths = args.model or []
+    args.aliases = ()
+    if args.config:
+        if paths:
+            raise ValueError("--config and --model: list the models in one place")
+        f = models_config.read_config(args.config)
+        models = f.models
+        if args.max_loaded_bytes is None:
+            args.max_loaded_bytes = f.max_loaded_bytes
+        if args.prompt_cache_bytes is None:
+            args.prompt_cache_bytes = f.prompt_cache_bytes
+    else:
+        models = [{"path": p} for p in paths]
+    args.model = models[0].get("path") if models else None
+    for m in models[1:]:  # the command line's flags are every model's defaults
+        m.setdefault("mtp", args.enable_mtp)
+        m.setdefault("mtp_depth", args.mtp_depth)
+        m.setdefault("draft_vocab", args.draft_vocab)
+        if "name" not in m:
+            p = m.get("path")
+            m["name"] = (p if p and not Path(p).expanduser().exists() else Path(p).expanduser().resolve().name) if p else "demo"
+    if len(models) > 1 and args.prompt_cache_bytes != 0:  # the budget is shared out (default: one model's)
+        from mtp_serve.engine.prompt_cache.setup import MEMORY_SHARE, available_memory
+
+        total = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else int(available_memory() * MEMORY_SHARE)
+        for m, part in zip(models, models_config.prompt_cache_parts(models, total)):
+            m["prompt_cache_bytes"] = part
+    if models:  # the first model's keys override the flags
+        for key, flag in (("name", "served_model_name"), ("mtp", "enable_mtp"), ("mtp_depth", "mtp_depth"),
+                          ("draft_vocab", "draft_vocab"), ("max_context", "max_context"),
+                          ("max_batch_size", "max_batch_size"), ("max_queue", "max_queue"),
+                          ("prompt_cache_bytes", "prompt_cache_bytes")):
+            if key in models[0]:
+                setattr(args, flag, models[0][key])
+        args.aliases = tuple(models[0].get("aliases", ()))
+    return models[1:]
+
+
+def spec(m, config):
+    """A ModelSpec for one of the other models, on the default model's settings."""
+    from dataclasses import replace
+
+    from mtp_serve.server.models_registry import ModelSpec
+
+    c = replace(config, served_model_name=m["name"], max_context=m.get("max_context", config.max_context),
+                max_active=m.get("max_batch_size", config.max_active), max_queue=m.get("max_queue", config.max_queue),
+                prompt_cache_bytes=m.get("prompt_cache_bytes", config.prompt_cache_bytes), sampling_defaults={},
+                mtp_depth=0, warm_up=False)
+    return ModelSpec(m["name"], m.get("path"), c, aliases=tuple(m.get("aliases", ())), enable_mtp=bool(m["mtp"]),
+                     mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"], pinned=bool(m.get("pinned")))
 
 
 class _Stopped(Exception):
