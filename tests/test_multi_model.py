@@ -318,3 +318,25 @@ def test_example_config_served_end_to_end(dense, moe, tmp_path):
             assert r.status_code == 200 and r.json()["model"] == served, r.text
         assert metric(s, "mtp_model_requests_total", "main") == 1 and metric(s, "mtp_model_requests_total", "fast") == 1
         assert cards(s)["fast"]["mtp"]["enabled"] is False
+
+
+def test_model_flag_twice(dense, moe):
+    """--model A --model B: the first is the default (its flags as given), the second takes the
+    flags as defaults and its folder's name; a name given twice is refused."""
+    def ns(**kw):
+        return argparse.Namespace(**{**dict(config=None, max_loaded_bytes=None, prompt_cache_bytes=0, served_model_name="a",
+                                            enable_mtp=True, mtp_depth=2, draft_vocab=None, max_context=None,
+                                            max_batch_size=8, max_queue=64), **kw})
+
+    args = ns(model=[str(dense), str(moe)])
+    more = several_models(args)
+    assert args.model == str(dense) and args.served_model_name == "a" and args.aliases == ()
+    assert [(m["name"], m["path"], m["mtp"], m["mtp_depth"]) for m in more] == [(moe.name, str(moe), True, 2)]
+    one = ns(model=[str(dense)])
+    assert several_models(one) == [] and one.model == str(dense)
+    twice = ns(model=[str(dense), str(dense)], served_model_name=None)
+    more = several_models(twice)
+    with pytest.raises(ValueError, match="given twice"):
+        Models([ModelSpec(dense.name, str(dense), cfg("x")), *[spec(m, cfg("x")) for m in more]])
+    with pytest.raises(ValueError, match="one place"):
+        several_models(ns(model=[str(dense)], config="x.toml"))

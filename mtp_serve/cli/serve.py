@@ -315,13 +315,14 @@ def spec(m, config):
     """A ModelSpec for one of the other models, on the default model's settings."""
     from dataclasses import replace
 
+    from mtp_serve.models.demo_model import default_model_path
     from mtp_serve.server.models_registry import ModelSpec
 
     c = replace(config, served_model_name=m["name"], max_context=m.get("max_context", config.max_context),
                 max_active=m.get("max_batch_size", config.max_active), max_queue=m.get("max_queue", config.max_queue),
                 prompt_cache_bytes=m.get("prompt_cache_bytes", config.prompt_cache_bytes), sampling_defaults={},
                 mtp_depth=0, warm_up=False)
-    return ModelSpec(m["name"], m.get("path"), c, aliases=tuple(m.get("aliases", ())), enable_mtp=bool(m["mtp"]),
+    return ModelSpec(m["name"], m.get("path") or default_model_path(), c, aliases=tuple(m.get("aliases", ())), enable_mtp=bool(m["mtp"]),
                      mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"], pinned=bool(m.get("pinned")))
 
 
