@@ -127,13 +127,14 @@ class Models:
 
     @classmethod
     def serving(cls, loaded, config: ServerConfig, engine_factory: Callable = EngineLoop,
-                more: Sequence[ModelSpec] = (), aliases: Sequence[str] = (), **kw) -> "Models":
-        """The default model, already loaded (and pinned), then `more` to load on use."""
+                more: Sequence[ModelSpec] = (), aliases: Sequence[str] = (), load_seconds: float = 0.0,
+                **kw) -> "Models":
+        """The default model, already loaded (and pinned; `load_seconds` it took), then `more` to load on use."""
         first = ModelSpec(config.served_model_name, str(loaded.path), config, aliases=tuple(aliases), pinned=True)
         models = cls([first, *more], engine_factory=engine_factory, **kw)
         e = models.entries[0]
         e.service = Service(loaded, config, engine_factory)
-        e.bytes, e.loads = weights_bytes(loaded), 1
+        e.bytes, e.loads, e.load_seconds = weights_bytes(loaded), 1, load_seconds
         return models
 
     @property
@@ -274,7 +275,10 @@ class Models:
         for e in self.entries:
             if e.spec.pinned and e.service is None:
                 async with self._lock():
-                    await self._load(e)
+                    try:
+                        await self._load(e)
+                    except APIError as exc:  # a pinned model that cannot load stops the start-up, saying why
+                        raise RuntimeError(f"pinned model '{e.name}': {exc.message}") from None
 
     def stop(self) -> None:
         for e in self.entries:

@@ -65,9 +65,10 @@ def extra(name, path, aliases=(), pinned=False, **kw) -> ModelSpec:
 
 
 def two_models(dense, moe, **kw) -> MultiServer:
+    """Each model with its own prompt cache (32 MiB of memory)."""
     loaded = load_model(str(dense))
-    models = Models.serving(loaded, cfg("main"), aliases=("claude-sonnet-4-5",),
-                            more=[extra("fast", moe, aliases=("claude-haiku-4-5",))], **kw)
+    models = Models.serving(loaded, cfg("main", prompt_cache_bytes=32 << 20), aliases=("claude-sonnet-4-5",),
+                            more=[extra("fast", moe, aliases=("claude-haiku-4-5",), prompt_cache_bytes=32 << 20)], **kw)
     return MultiServer(models).start()
 
 
@@ -149,6 +150,10 @@ def test_models_listed_loaded_or_not_then_lazy_load(dense, moe):
         assert c["loaded"] and c["mtp"]["enabled"] and c["mtp"]["depth_cap"] == 2
         assert metric(s, "mtp_model_loads_total", "fast") == 1 and metric(s, "mtp_model_load_seconds_total", "fast") > 0
         assert httpx.get(s.root + "/v1/models/claude-haiku-4-5").json()["id"] == "fast"
+        again = post(s, "chat", "fast").json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert again > 0  # the fast model's own prompt cache
+        assert s.models.lookup("fast").service.engine.prompt_cache is not s.service.engine.prompt_cache
+        assert post(s, "chat", "main").json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 @pytest.mark.parametrize("api", ["chat", "completions", "messages", "count_tokens", "responses"])
@@ -233,23 +238,27 @@ def test_one_models_failure_leaves_the_other(both):
 # ---------------------------------------------------------------- memory
 
 
-def test_lru_unload_pinned_stays_and_too_big_is_refused(dense, moe, checkpoint_dir):
+def test_lru_unload_pinned_stays_and_too_big_is_refused(dense, moe, checkpoint_dir, tmp_path):
     big = checkpoint_dir("qwen3_5", hidden_size=256, intermediate_size=1024, seed=3)
     a, b = load_model(str(dense)), load_model(str(moe))
     budget = weights_bytes(a) * 2 + weights_bytes(b) * 3 // 2  # main + pinned + one of b1/b2
     assert estimated_bytes(str(big)) > budget
     models = Models.serving(a, cfg("main"), max_loaded_bytes=budget,
-                            more=[extra("pinned", dense, pinned=True), extra("b1", moe), extra("b2", moe),
-                                  extra("big", big)])
+                            more=[extra("pinned", dense, pinned=True), extra("b2", moe), extra("big", big),
+                                  extra("b1", moe, prompt_cache_bytes=32 << 20, prompt_cache_dir=str(tmp_path))])
     with MultiServer(models).start() as s:
         loaded = lambda: [n for n, c in cards(s).items() if c["loaded"]]  # noqa: E731
         assert loaded() == ["main", "pinned"]  # the pinned one loaded at start
-        first = text_of("chat", post(s, "chat", "b1"))
+        r = post(s, "chat", "b1")
+        first = text_of("chat", r)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert loaded() == ["main", "pinned", "b1"]
         assert post(s, "chat", "b2").status_code == 200
         assert loaded() == ["main", "pinned", "b2"]  # b1, idle and unpinned, made room
         assert metric(s, "mtp_model_unloads_total", "b1") == 1
-        assert text_of("chat", post(s, "chat", "b1")) == first  # reloaded: the same output
+        r = post(s, "chat", "b1")
+        assert text_of("chat", r) == first  # reloaded: the same output
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its snapshots stayed on disk
         assert loaded() == ["main", "pinned", "b1"] and metric(s, "mtp_model_loads_total", "b1") == 2
         for api in ("chat", "messages"):
             r = post(s, api, "big")

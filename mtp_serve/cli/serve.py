@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from mtp_serve import BACKEND
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     hub_progress()  # download bars on a terminal only
     try:
         model_path = args.model or default_model_path()
+        load_started = time.perf_counter()
         with stage(f"loading {model_path}"):
             loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
                                 split=group.split if group else None)
@@ -167,6 +169,7 @@ def main(argv=None) -> int:
         return error(str(e))
     except (CheckpointError, ShardingError) as e:
         return error(str(e))
+    load_seconds = time.perf_counter() - load_started
     if group is not None:
         group.announce(loaded)
         if group.rank != 0:
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
             from mtp_serve.server.models_registry import Models
 
             models = Models.serving(loaded, config, more=[spec(m, config) for m in more], aliases=args.aliases,
-                                    max_loaded_bytes=args.max_loaded_bytes)
+                                    max_loaded_bytes=args.max_loaded_bytes, load_seconds=load_seconds)
             if models.used_bytes() > models.max_loaded_bytes:
                 return error(f"the model {name} needs {models.used_bytes():,} bytes of weights; "
                              f"--max-loaded-bytes is {models.max_loaded_bytes:,}")
@@ -278,7 +281,10 @@ def several_models(args) -> list:
     if args.config:
         if paths:
             raise ValueError("--config and --model: list the models in one place")
-        f = models_config.read_config(args.config)
+        try:
+            f = models_config.read_config(args.config)
+        except models_config.ConfigError as e:
+            raise ValueError(f"--config {args.config}: {e}") from None
         models = f.models
         if args.max_loaded_bytes is None:
             args.max_loaded_bytes = f.max_loaded_bytes
