@@ -223,6 +223,10 @@ class Models:
         except Exception as exc:  # noqa: BLE001 - this model's requests fail, the others go on
             log.error("model '%s' failed to load: %s: %s", e.name, type(exc).__name__, exc)
             raise APIError(503, f"The model '{e.name}' failed to load: {exc}", code="model_load_failed") from exc
+        # HTTP requests by route and status stay one server-wide count (/metrics renders the
+        # default model's registry; each model's own figures are the mtp_model_* families)
+        if self.default.service is not None:
+            svc.metrics.requests = self.default.service.metrics.requests
         svc.engine.start()
         e.service, e.bytes = svc, weights_bytes(svc.loaded)
         e.loads += 1

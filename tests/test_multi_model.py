@@ -7,6 +7,7 @@ alone, and the TOML config (the example in configs/ served end to end)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -144,8 +145,10 @@ def test_models_listed_loaded_or_not_then_lazy_load(dense, moe):
         assert c["fast"]["max_model_len"] == 512 and c["fast"]["mtp"]["status"] == "not loaded"
         assert c["fast"]["weights_bytes"] == estimated_bytes(str(moe))
         assert metric(s, "mtp_model_loaded", "fast") == 0
+        ok = 'mtp_requests_total{endpoint="/v1/chat/completions",status="200"}'
         r = post(s, "chat", "fast")
         assert r.status_code == 200 and r.json()["model"] == "fast"
+        assert ok + " 1.0" in httpx.get(s.root + "/metrics").text  # HTTP counts are server-wide
         c = cards(s)["fast"]
         assert c["loaded"] and c["mtp"]["enabled"] and c["mtp"]["depth_cap"] == 2
         assert metric(s, "mtp_model_loads_total", "fast") == 1 and metric(s, "mtp_model_load_seconds_total", "fast") > 0
@@ -349,3 +352,47 @@ def test_model_flag_twice(dense, moe):
         Models([ModelSpec(dense.name, str(dense), cfg("x")), *[spec(m, cfg("x")) for m in more]])
     with pytest.raises(ValueError, match="one place"):
         several_models(ns(model=[str(dense)], config="x.toml"))
+
+
+# ---------------------------------------------------------------- Claude Code
+
+
+@pytest.mark.agents
+def test_claude_code_main_and_fast_models(checkpoint_dir, tmp_path):
+    """Claude Code with ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL set to two served
+    models: two turns complete, and both models answer (counted per model in /metrics). In
+    `-p` mode this Claude Code sends no small-fast request of its own, so the second turn
+    continues the conversation on the fast model by one of its aliases (`--model`)."""
+    from npm_clients import npm_bin
+
+    from test_agents import clean_env
+
+    bin_ = npm_bin("claude", "claude", "CLAUDE_BIN")
+    main = checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True)
+    fast = checkpoint_dir("qwen3_5_moe", agreeable=True, likely_eos=True, seed=1)
+    models = Models.serving(load_model(str(main)), cfg("main", max_context=65536, prompt_cache_bytes=256 << 20),
+                            aliases=("claude-sonnet-4-5",),
+                            more=[extra("fast", fast, aliases=("claude-haiku-4-5",), max_context=65536,
+                                        prompt_cache_bytes=256 << 20)])
+    project = tmp_path / "project"
+    project.mkdir()
+    env = clean_env(tmp_path / "home", "ANTHROPIC_", "CLAUDE")
+    with MultiServer(models).start() as s:
+        env.update(ANTHROPIC_BASE_URL=s.root, ANTHROPIC_API_KEY="none", ANTHROPIC_MODEL="main",
+                   ANTHROPIC_SMALL_FAST_MODEL="fast", ANTHROPIC_DEFAULT_HAIKU_MODEL="fast")
+
+        def turn(*a):
+            r = subprocess.run([bin_, "-p", *a], cwd=project, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                               text=True, timeout=420)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+        turn("Say hello")
+        assert metric(s, "mtp_model_requests_total", "main") >= 1
+        turn("--continue", "--model", "claude-haiku-4-5", "And again")
+        assert metric(s, "mtp_model_requests_total", "fast") >= 1
+        for name in ("main", "fast"):
+            assert metric(s, "mtp_model_prompt_tokens_total", name) > 5000  # its system prompt and tools
+        text = httpx.get(s.root + "/metrics").text
+        assert 'mtp_requests_total{endpoint="/v1/messages",status="200"}' in text
+        assert not [ln for ln in text.splitlines() if ln.startswith('mtp_requests_total{endpoint="/v1/messages"')
+                    and 'status="200"' not in ln and 'status="499"' not in ln]
