@@ -116,11 +116,6 @@ class Service:
 
     # -- checks
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name and name not in (self.config.served_model_name, str(self.loaded.path)):
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.served_model_name}'",
-                           param="model", code="model_not_found")
-
     def check_context(self, n_prompt: int, param: str) -> int:
         """Returns the room left for the completion."""
         if n_prompt >= self.max_context:
