@@ -13,7 +13,6 @@ shape (see errors.py).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 

@@ -24,7 +24,7 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.caches import KVSetting
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 from mtp_serve.server.chat import ChatFormat, ChatPrompt
-from mtp_serve.server.errors import APIError, bad_request, engine_refusals
+from mtp_serve.server.errors import bad_request, engine_refusals
 from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
 from mtp_serve.server.run import Options, Run
