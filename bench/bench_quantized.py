@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-from common import median_seconds, pc  # noqa: I001  (first: backend set-up before mlx.core)
+from common import median_seconds, pc, timed_seconds  # noqa: I001  (first: backend set-up before mlx.core)
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -221,13 +221,7 @@ def kernel_only(bits: int, threads: int) -> None:
     from mtp_serve.models.quantized_layers import dequantized_matmul
 
     def best(f, reps):
-        f()
-        times = []
-        for _ in range(reps):
-            t0 = pc()
-            f()
-            times.append(pc() - t0)
-        return 1e3 * min(times)
+        return 1e3 * min(timed_seconds(f, reps))
 
     qmm_ext.set_threads(threads)
     print(f"{bits}-bit, group {GROUP_SIZE}, kernel on {threads} thread(s); ms per product (min of repeats)")

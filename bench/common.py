@@ -50,15 +50,20 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def median_seconds(f, reps: int) -> float:
-    """Median seconds of `reps` timed calls of f, after one untimed call (a busy machine adds outliers)."""
+def timed_seconds(f, reps: int) -> list:
+    """Seconds of each of `reps` timed calls of f, after one untimed call."""
     f()
     times = []
     for _ in range(reps):
         t0 = pc()
         f()
         times.append(pc() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(f, reps: int) -> float:
+    """Median seconds of `reps` timed calls of f (a busy machine adds outliers)."""
+    return statistics.median(timed_seconds(f, reps))
 
 
 def load_prompts(model_dir: Path, tokenizer, n: int, length: int) -> tuple[list[tuple[str, list[int]]], str]:

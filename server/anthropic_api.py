@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
+from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request, failure_status
 from mtp_serve.server.run import Options, Run, Usage
@@ -312,6 +313,6 @@ async def message_stream(svc: Service, run: Run, mid: str, model: str, stops: Li
             for e in blocks.close():
                 yield block_event(e)
             reason, seq = stop_reason(svc, step.finish_reason, run.token_ids, run.text, stops)
-            report = {} if step.report is None else {"structured_output": step.report}
+            report = structured.field(step.report)
             yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(step.usage), **report})
             yield event("message_stop", {})

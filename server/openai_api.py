@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from mtp_serve.engine import scoring
 from mtp_serve.server import constraints
+from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
 from mtp_serve.server.errors import bad_request, failure_body
 from mtp_serve.server.parsers import ContentDelta, Event, ParsedOutput, ReasoningDelta, ToolCallStart, prompt_opens_reasoning
@@ -217,7 +218,7 @@ async def chat_stream(svc: Service, run: Run, rid: str, created: int, with_usage
         for i, d in enumerate(deltas):
             yield chunk(d, logprobs=lp if i == 0 else None)
         if step.finish_reason:
-            report = {} if step.report is None else {"structured_output": step.report}
+            report = structured.field(step.report)
             yield chunk({}, finish=step.finish_reason, **({} if with_usage else report))
             if with_usage:
                 yield chunk(None, usage_=usage(step.usage), **report)
@@ -296,7 +297,7 @@ async def completion_stream(svc: Service, run: Run, rid: str, created: int, with
         if c.text or lp is not None:
             yield chunk(c.text, logprobs=lp)
         if step.finish_reason:
-            report = {} if step.report is None else {"structured_output": step.report}
+            report = structured.field(step.report)
             yield chunk("", finish=step.finish_reason, **({} if with_usage else report))
             if with_usage:
                 yield chunk(None, usage_=usage(step.usage), **report)

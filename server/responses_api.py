@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mtp_serve.server import constraints
+from mtp_serve.server import constraints, structured
 from mtp_serve.server.errors import APIError, bad_request
 from mtp_serve.server.parsers import ParsedOutput
 from mtp_serve.server.run import Options, Run, Usage
@@ -346,7 +346,7 @@ async def responses(req: ResponsesRequest, request: Request):
         if req.store:
             store.put(rid, history_after(conversation, output))
         body = response_body(rid, created, svc, req, run, status=status, output=output, usage_=usage(svc, u, reasoning))
-        return body if report is None else {**body, "structured_output": report}
+        return {**body, **structured.field(report)}
 
     if req.stream:
         ev = Events()

@@ -82,6 +82,11 @@ def headers(report: Optional[dict]) -> Dict[str, str]:
     return {HEADER: f"{'exact' if report['exact'] else 'relaxed'}; valid={valid}"}
 
 
+def field(report: Optional[dict]) -> Dict[str, dict]:
+    """The report as the top-level field a body or a stream's last event carries; {} without one."""
+    return {} if report is None else {"structured_output": report}
+
+
 def respond(body: dict, report: Optional[dict]):
     """A non-streamed body: with the report beside usage and in the header when there is one."""
     if report is None:
