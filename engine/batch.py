@@ -18,7 +18,9 @@ from typing import Any, List, Optional
 import mlx.core as mx
 
 from mtp_serve.models.caches import SpeculativeGDNCache, merge_kv
+from mtp_serve.models.rope_positions import RopePositions
 
+from .image_prompt import row_delta
 from .sequence import RowCaches, Sequence, Status
 
 
@@ -55,6 +57,11 @@ class Batch:
     @property
     def head_cache(self) -> Optional[Any]:
         return self.caches.head
+
+    @property
+    def rope(self) -> Optional[RopePositions]:
+        """The rows' RoPE shift (rows of prompts with images), None when every row has none."""
+        return row_delta(self.rows)
 
     def add(self, seq: Sequence) -> None:
         """A prefilled sequence joins; the batch owns its caches from now on."""

@@ -82,6 +82,7 @@ class RequestHandle:
     _queue: asyncio.Queue
     _engine: "EngineLoop"
     submitted_at: float = field(default_factory=time.perf_counter)
+    images: tuple = ()  # the prompt's prepared images (models/vision), in order
     cancelled: bool = False
     finished: bool = False
 
@@ -132,12 +133,15 @@ class EngineLoop:
 
     # -- asyncio side
 
-    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0, checkpoints: tuple = ()) -> RequestHandle:
+    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0, checkpoints: tuple = (),
+               images: tuple = ()) -> RequestHandle:
         """Queue a request; call from the event loop that will iterate the handle.
 
-        `checkpoints`: prompt lengths at which to keep a prompt-cache snapshot."""
+        `checkpoints`: prompt lengths at which to keep a prompt-cache snapshot; `images`:
+        the prompt's prepared images, one per run of image-pad tokens, in order."""
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(next(self._ids), list(prompt), params, depth, tuple(checkpoints), loop, asyncio.Queue(), self)
+        handle = RequestHandle(next(self._ids), list(prompt), params, depth, tuple(checkpoints), loop, asyncio.Queue(), self,
+                               images=tuple(images))
         with self._cond:
             if not self._running:
                 raise EngineStopped("the engine is not running")
@@ -259,7 +263,7 @@ class EngineLoop:
 
     def _admit(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth, handle.checkpoints)
+            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth, handle.checkpoints, handle.images)
         except Exception as e:  # noqa: BLE001 - reported to the request, the loop goes on
             log.warning("request %d rejected by the engine: %s", handle.id, e)
             self._finish(handle, EngineError(f"{type(e).__name__}: {e}"))

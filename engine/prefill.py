@@ -40,21 +40,33 @@ def prefill(
     taken at a checkpoint (bit for bit, so a restored run drafts exactly as a
     cold one).
     """
-    caches, owed = seq.caches, seq.owed
+    caches, owed, images = seq.caches, seq.owed, seq.images
     start = seq.cached_tokens + seq.prefilled
     end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), (start // max_tokens + 1) * max_tokens)
+    if images is not None:
+        # The vision tower runs for an image when prefill first reaches it: one image a
+        # step when chunked (running rows decode between encodes), all at once otherwise.
+        while images.encode_next(start, end):
+            if max_tokens is not None:
+                return None
     ends = {n for n in seq.checkpoints if start < n < end} | {end}
     ends |= set(range((start // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end, PREFILL_CHUNK))
     j = start
     for k in sorted(ends):
-        hidden, logits = model.forward(mx.array([seq.prompt[j:k]]), caches.backbone, last_logits=True)
+        chunk = seq.prompt[j:k]
+        if images is None:
+            hidden, logits = model.forward(mx.array([chunk]), caches.backbone, last_logits=True)
+        else:
+            hidden, logits = model.forward(mx.array([chunk]), caches.backbone, last_logits=True,
+                                           embeds=images.embeds(model.inner.embed_tokens, chunk, j), rope=images.rope(j, k))
         if seq.tracks_head:
             owed.hidden = hidden if owed.hidden is None else mx.concatenate([owed.hidden, hidden], axis=1)
             # Pairs whose next token is forwarded: the head takes them now.
             done = caches.head.offset
             n = k - 1 - done
             if n > 0:
-                model.draft(owed.hidden[:, :n], mx.array([seq.prompt[done + 1 : done + 1 + n]]), caches.head)
+                model.draft(owed.hidden[:, :n], mx.array([seq.prompt[done + 1 : done + 1 + n]]), caches.head,
+                            images.rope(done, done + n) if images is not None else None)
                 owed.hidden = owed.hidden[:, n:]
         mx.eval(logits, owed.hidden if seq.tracks_head else [], [c.state for c in caches.backbone],
                 caches.head.state if seq.tracks_head else [])

@@ -41,7 +41,8 @@ class SchedulerLike(Protocol):
     """What the engine loop drives: the `Scheduler`, or rank 0's `Leader` around it
     (serving across ranks, `distributed.py`)."""
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None: ...
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
+            images: tuple = ()) -> None: ...
 
     def cancel(self, key: Hashable) -> None: ...
 
@@ -83,14 +84,16 @@ class Scheduler(SchedulerLike):
 
     # -- requests
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
-        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
+            images: tuple = ()) -> None:
+        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries);
+        `images`: the prompt's prepared images (models/vision), in order."""
         if self.prompt_cache is not None:
             checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
         # The constraint arrives prepared (compiled off this thread, `EngineLoop.check_constraint`): a copy, no compiling.
         grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
         seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
-                           prior_acceptance=self.policy.start_rates(), grammar=grammar)
+                           prior_acceptance=self.policy.start_rates(), grammar=grammar, images=images)
         self.seqs[key] = seq
         self.prefilling.append(seq)
 
@@ -147,7 +150,7 @@ class Scheduler(SchedulerLike):
             yield seq.key, GrammarError(f"the output constraint failed: {seq.grammar.error}")
             return
         yield seq.key, seq.apply(emitted)
-        self._store(seq, seq.prompt, seq.caches)
+        self._store(seq, seq.prompt_key, seq.caches)
         if seq.finished:
             self._forget(seq)
         else:
@@ -195,7 +198,7 @@ class Scheduler(SchedulerLike):
         the request arrived: one that came in with others finds the snapshots their prefills
         stored (the shared system prompt of agents started together)."""
         try:
-            hit = self.prompt_cache.restore(seq.prompt, needs_head=seq.tracks_head)
+            hit = self.prompt_cache.restore(seq.prompt_key, needs_head=seq.tracks_head)
         except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
             log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
             return
@@ -203,7 +206,7 @@ class Scheduler(SchedulerLike):
             seq.start_from(hit.n, hit.caches, hit.owed)
 
     def _checkpoint(self, seq: Sequence, n: int) -> None:
-        self._store(seq, seq.prompt[:n], seq.caches)
+        self._store(seq, seq.prompt_key[:n], seq.caches)
 
     def _store(self, seq: Sequence, tokens: List[int], caches) -> None:
         if self.prompt_cache is None:

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .chunks import GenerationChunk, token_logprobs
 from .grammar import RowGrammar
+from .image_prompt import ImagePrompt
 from .sampling import Rng, SamplingParams, TokenHistory
 from .stats import DecodeStats
 from .stopping import StopChecker
@@ -128,6 +129,7 @@ class Sequence:
     # Prompt lengths at which prefill stops for a prompt-cache snapshot.
     checkpoints: tuple = ()
     grammar: Optional[RowGrammar] = None  # the matcher of a constrained request, at the output so far
+    images: Optional[ImagePrompt] = None  # the prompt's images (vision-language models)
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property
@@ -139,9 +141,14 @@ class Sequence:
         """Tokens the request may still emit (max_tokens less those emitted)."""
         return self.params.max_tokens - len(self.committed)
 
+    @property
+    def prompt_key(self) -> List[int]:
+        """The prompt as the prompt cache keys it (images by their content, `ImagePrompt.key`)."""
+        return self.prompt if self.images is None else self.images.key
+
     def cache_tokens(self) -> List[int]:
-        """The tokens the backbone caches hold while running (all but the primary)."""
-        return self.prompt + self.committed[:-1]
+        """The prompt-cache key of what the backbone caches hold while running (all but the primary)."""
+        return self.prompt_key + self.committed[:-1]
 
     def take_caches(self) -> RowCaches:
         """Hand the caches over (to a batch); the sequence no longer owns them."""
@@ -182,10 +189,17 @@ class Sequence:
 
 def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int,
                  checkpoints: tuple = (), prior_acceptance: Optional[List[float]] = None,
-                 grammar: Optional[RowGrammar] = None) -> Sequence:
-    """A fresh sequence with empty caches; `grammar`: the matcher of `params.constraint`."""
+                 grammar: Optional[RowGrammar] = None, images: tuple = ()) -> Sequence:
+    """A fresh sequence with empty caches; `grammar`: the matcher of `params.constraint`;
+    `images`: the prompt's prepared images, in order (its image-pad runs)."""
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
+    image_prompt = None
+    if images:
+        if getattr(model, "vision", None) is None:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        image_prompt = ImagePrompt(prompt, images, model.vision)
+        checkpoints = tuple(n for n in checkpoints if not image_prompt.inside(n))
     max_depth = max_depth if model.has_mtp else 0
     return Sequence(
         key=key,
@@ -201,4 +215,5 @@ def new_sequence(model, tokenizer, key: Hashable, prompt: List[int], params: Sam
         caches=RowCaches(model.make_cache(), model.make_head_cache() if model.has_mtp else None),
         checkpoints=tuple(checkpoints),
         grammar=grammar,
+        images=image_prompt,
     )

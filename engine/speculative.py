@@ -147,6 +147,7 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
         return Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
     q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
     hidden, logits = head_over_owed(model, batch)
+    rope = batch.rope
     dv = model.draft_vocab
     columns: List[mx.array] = []
     for j in range(K):
@@ -170,7 +171,7 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
             column = mx.concatenate([picked.get(i, column[i : i + 1]) for i in range(len(rows))])
         columns.append(column)
         if j < K - 1:
-            hidden, out = model.draft(hidden, column[:, None], batch.head_cache)
+            hidden, out = model.draft(hidden, column[:, None], batch.head_cache, rope)
             logits = out[:, -1]
             if any(m is not None for m in masks):
                 mx.async_eval(logits)  # the head runs while the CPU computes the next masks
@@ -187,13 +188,13 @@ def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
     take = [len(s.owed) - (1 if keep_last else 0) for s in rows]
     if len(rows) == 1:
         n, owed = take[0], rows[0].owed
-        out, logits = model.draft(owed.hidden[:, :n], mx.array([owed.tokens[:n]]), batch.head_cache)
+        out, logits = model.draft(owed.hidden[:, :n], mx.array([owed.tokens[:n]]), batch.head_cache, batch.rope)
         last_hidden, last_logits = out[:, n - 1 : n], logits[:, n - 1]
     else:
         N = max(take)
         hidden = mx.concatenate([_pad_right(s.owed.hidden[:, :n], N) for s, n in zip(rows, take)])
         tokens = mx.array([s.owed.tokens[:n] + [0] * (N - n) for s, n in zip(rows, take)])
-        out, logits = model.draft(hidden, tokens, batch.head_cache)
+        out, logits = model.draft(hidden, tokens, batch.head_cache, batch.rope)
         trim_per_row(batch.head_cache, [N - n for n in take])
         index, last = mx.arange(len(rows)), mx.array([n - 1 for n in take])
         last_hidden, last_logits = out[index, last][:, None], logits[index, last]
@@ -220,7 +221,7 @@ def verify(model: MTPModel, batch: Batch, drafts: Drafts) -> Verified:
         inputs = mx.concatenate([inputs, drafts.tokens], axis=1)
     capture = drafts.width > 1
     set_capture(batch.cache, capture)
-    hidden, logits = model.forward(inputs, batch.cache)
+    hidden, logits = model.forward(inputs, batch.cache, rope=batch.rope)
     if capture:
         set_capture(batch.cache, False)
     allowed = _window_masks(rows, drafts, logits)

@@ -28,6 +28,7 @@ from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
 from .gdn import store_step
 from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
+from .rope_positions import RopePositions, attention_layer_at
 
 # Longest input the compiled paths take: verify windows are K+1 <= 8 tokens.
 MAX_COMPILED_TOKENS = 8
@@ -44,9 +45,14 @@ class CompiledLayers:
             fn = self._fns[key] = mx.compile(_BUILDERS[kind](layer))
         return fn
 
-    def __call__(self, layer: nn.Module, h: mx.array, mask: Optional[mx.array], cache: Any) -> mx.array:
-        """`layer(h, mask, cache)`, compiled where the input is a short decode input."""
+    def __call__(self, layer: nn.Module, h: mx.array, mask: Optional[mx.array], cache: Any,
+                 rope: Optional[RopePositions] = None) -> mx.array:
+        """`layer(h, mask, cache)`, compiled where the input is a short decode input;
+        `rope`: positions other than the cache offset (a prompt with images)."""
         T = h.shape[1]
+        if not layer.is_linear and rope is not None and (rope.grid is not None or T > MAX_COMPILED_TOKENS
+                                                         or cache is None or type(layer.self_attn) is not Qwen3NextAttention):
+            return attention_layer_at(layer, h, mask, cache, rope)
         if T > MAX_COMPILED_TOKENS:
             return layer(h, mask=mask, cache=cache)
         if not layer.is_linear:
@@ -55,7 +61,8 @@ class CompiledLayers:
                 return self._get(layer, "mlp")(h + r)
             # Projections, norms and RoPE compiled; the cache update and attention over
             # the (growing) cache as mlx-lm does them; output, residual and MLP compiled.
-            offset = cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset)
+            offset = cache.offset if rope is None else rope.shifted(cache.offset)
+            offset = offset if isinstance(offset, mx.array) else mx.array(offset)
             q, k, v, gate = self._get(layer, "attn_in")(h, offset)
             k, v = cache.update_and_fetch(k, v)
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=layer.self_attn.scale, mask=mask)

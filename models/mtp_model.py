@@ -21,6 +21,7 @@ from .model_card import ModelCard
 from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
 from .prefill_layers import PrefillLayers
+from .rope_positions import RopePositions, attention_layer_at
 from .sharding import local_layers, pipeline_stage
 
 
@@ -42,6 +43,8 @@ class MTPModel:
         self.draft_vocab: Optional[DraftVocab] = None
         # Precision of every attention cache, the backbone's and the head's (--kv-bits).
         self.kv: KVSetting = FULL_KV
+        # The vision tower of a vision-language checkpoint (models/vision), None for text only.
+        self.vision: Optional[Any] = None
 
     @property
     def inner(self) -> nn.Module:
@@ -99,37 +102,48 @@ class MTPModel:
         group = getattr(self.text, "sharding_group", None)  # tensor parallel: each rank computes a slice of the vocabulary
         return logits if group is None else gather_last_axis(logits, group)
 
-    def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False) -> Tuple[mx.array, mx.array]:
+    def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
+                embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
         """Backbone over tokens [B,T]; returns (hidden for the head [B,T,H], logits [B,T,V]),
         with `last_logits` the logits of the last position only [B,1,V] (a prefill needs
         no others; at 8,192 tokens the LM head over all of them was 2% of the demo
-        model's prefill, and it grows with the vocabulary)."""
+        model's prefill, and it grows with the vocabulary). `embeds` replaces the
+        tokens' embeddings (image features in place of image tokens); `rope`: positions
+        other than the cache offsets (rows of prompts with images)."""
         inner = self.inner
         blas_threads_for(tokens.size)
-        h = inner.embed_tokens(tokens)
+        h = inner.embed_tokens(tokens) if embeds is None else embeds
         # (A pipeline stage may hold no attention or no GatedDeltaNet layer.)
         fa_mask = create_attention_mask(h, cache[inner.fa_idx]) if inner.fa_idx is not None else None
         ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx]) if inner.ssm_idx is not None else None
         if self.stage is not None:
             h = self.stage.receive(h)
         for layer, c in zip(self.layers, cache):
-            h = self.run_layer(layer, h, ssm_mask if layer.is_linear else fa_mask, c)
+            h = self.run_layer(layer, h, ssm_mask if layer.is_linear else fa_mask, c, rope)
         if self.stage is not None:
             h = self.stage.pass_on(h)
         post = inner.norm(h)
         return (post if self.card.mtp_hidden == "post_norm" else h), self.lm_head(post[:, -1:] if last_logits else post)
 
-    def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache) -> Tuple[mx.array, mx.array]:
+    def draft(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache,
+              rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
-        logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them)."""
+        logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them).
+        The head's entry p sits where the backbone's token p does (`rope`)."""
         blas_threads_for(next_tokens.size)
-        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=self.run_layer)
+        run_layer = self.run_layer if rope is None else (lambda l, x, m, c: self.run_layer(l, x, m, c, rope))
+        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=run_layer)
         return out, (self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out))
 
-    def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any) -> mx.array:
+    def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any,
+                  rope: Optional[RopePositions] = None) -> mx.array:
         """One decoder layer: compiled for decode-sized inputs, PrefillLayers for long ones."""
+        if rope is not None and layer.is_linear:
+            rope = None  # GatedDeltaNet layers have no positions
         if self.prefill is not None and h.shape[1] > MAX_COMPILED_TOKENS:
-            return self.prefill(layer, h, mask, cache)
+            return self.prefill(layer, h, mask, cache) if rope is None else self.prefill(layer, h, mask, cache, rope)
         if self.compiled is not None:
-            return self.compiled(layer, h, mask, cache)
+            return self.compiled(layer, h, mask, cache) if rope is None else self.compiled(layer, h, mask, cache, rope)
+        if rope is not None:
+            return attention_layer_at(layer, h, mask, cache, rope)
         return layer(h, mask=mask, cache=cache)

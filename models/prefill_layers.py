@@ -37,24 +37,36 @@ from .compiled_steps import _attention_in
 from .caches import QuantizedKVCache
 from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
 from .prefill_attention import causal_attention
+from .rope_positions import RopePositions, attention_layer_at, qkv_at
 
 
 # Quantized KV through the blockwise path (False: mlx-lm's quantized attention; benchmarks compare).
 DEQUANTIZE_QUANTIZED_KV = True
 
 
-def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any]) -> mx.array:
-    """`layer.self_attn(layer.input_layernorm(x), mask, cache)`, blockwise where supported."""
+def blockwise(layer: nn.Module, mask: Any, cache: Optional[Any]) -> bool:
+    """Whether `attention` runs this attention layer blockwise (else mlx-lm's module does)."""
+    return (
+        type(layer.self_attn) is Qwen3NextAttention
+        and (type(cache) is KVCache or (type(cache) is QuantizedKVCache and DEQUANTIZE_QUANTIZED_KV))
+        and isinstance(mask, str) and mask == "causal"
+    )
+
+
+def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any], rope: Optional[RopePositions] = None) -> mx.array:
+    """`layer.self_attn(layer.input_layernorm(x), mask, cache)`, blockwise where supported
+    (`rope`: positions other than the cache offset, blockwise layers only)."""
     attn = layer.self_attn
     quantized = type(cache) is QuantizedKVCache
-    if (
-        type(attn) is not Qwen3NextAttention
-        or not (type(cache) is KVCache or (quantized and DEQUANTIZE_QUANTIZED_KV))
-        or not (isinstance(mask, str) and mask == "causal")
-    ):
+    if not blockwise(layer, mask, cache):
         return attn(layer.input_layernorm(x), mask, cache)
     B, L, _ = x.shape
-    q, k, v, gate = _attention_in(layer)(x, cache.offset)
+    if rope is None:
+        q, k, v, gate = _attention_in(layer)(x, cache.offset)
+    elif rope.grid is None:
+        q, k, v, gate = _attention_in(layer)(x, rope.shifted(cache.offset))
+    else:
+        q, k, v, gate = qkv_at(layer, x, cache, rope)
     k, v = cache.update_and_fetch(k, v)
     if quantized:
         k, v = (mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits) for p in (k, v))
@@ -71,12 +83,15 @@ def mlp(module: nn.Module, x: mx.array) -> mx.array:
 class PrefillLayers:
     """`run_layer(layer, h, mask, cache)` for inputs longer than a verify window."""
 
-    def __call__(self, layer: nn.Module, h: mx.array, mask: Any, cache: Optional[Any]) -> mx.array:
+    def __call__(self, layer: nn.Module, h: mx.array, mask: Any, cache: Optional[Any],
+                 rope: Optional[RopePositions] = None) -> mx.array:
+        if rope is not None and not layer.is_linear and (h.dtype != mx.float32 or not blockwise(layer, mask, cache)):
+            return attention_layer_at(layer, h, mask, cache, rope)
         if h.dtype != mx.float32:  # fast_math computes in fp32
             return layer(h, mask=mask, cache=cache)
         if layer.is_linear:
             r = layer.linear_attn(layer.input_layernorm(h), mask, cache, cpu_prefill=True)
         else:
-            r = attention(layer, h, mask, cache)
+            r = attention(layer, h, mask, cache, rope)
         h = h + r
         return h + mlp(layer.mlp, layer.post_attention_layernorm(h))

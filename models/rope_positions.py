@@ -1,0 +1,70 @@
+"""Where RoPE puts a forward's tokens when that is not simply the cache offset.
+
+Text-only prompts never need this: a token's position is its index, which is the
+attention cache's offset. A prompt with images (Qwen3.5 / Qwen3.6 vision-language
+checkpoints) gives its image tokens three-axis positions (time, height, width:
+multimodal RoPE), and every token after an image sits at its index plus a fixed
+`delta` (an image of N tokens takes fewer than N positions). So:
+
+* a prefill chunk of a prompt with images passes `grid`, its tokens' explicit
+  positions [3, T] (one row: prefill is per sequence);
+* every later forward of that row (decode steps, MTP drafts, verify windows)
+  passes `delta`, added to the cache offset: an int for one row, an array [B]
+  for a batch whose rows have different deltas.
+
+Plain decoding, drafts and verify windows of a row all use the same `delta`, so
+MTP keeps scoring each token exactly as plain decoding does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .mlx_lm_compat import scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class RopePositions:
+    delta: Union[int, mx.array] = 0  # added to each row's cache offset
+    grid: Optional[mx.array] = None  # explicit multimodal positions [3, T] (a prefill chunk of one row)
+    spec: Any = None  # the VisionSpec whose mrope sections apply `grid`
+
+    def shifted(self, offset: Union[int, mx.array]) -> Union[int, mx.array]:
+        """The RoPE offset of a forward whose cache holds `offset` tokens (no `grid`)."""
+        return offset + self.delta
+
+
+def qkv_at(layer: nn.Module, x: mx.array, cache: Any, rope: RopePositions) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Qwen3NextAttention's projections, norms and RoPE (mlx-lm's operations, in its order)
+    with the positions `rope` gives; returns queries, keys, values [B,heads,T,D] and the gate."""
+    from .vision import apply_mrope  # only prompts with images get here
+
+    attn = layer.self_attn
+    B, L, _ = x.shape
+    h = layer.input_layernorm(x)
+    queries, gate = mx.split(attn.q_proj(h).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    keys, values = attn.k_proj(h), attn.v_proj(h)
+    queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    if rope.grid is not None:
+        queries, keys = (apply_mrope(t, rope.grid, attn.rope, rope.spec) for t in (queries, keys))
+    else:
+        offset = rope.shifted(cache.offset)
+        queries, keys = attn.rope(queries, offset=offset), attn.rope(keys, offset=offset)
+    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values, gate.reshape(B, L, -1)
+
+
+def attention_layer_at(layer: nn.Module, h: mx.array, mask: Any, cache: Any, rope: RopePositions) -> mx.array:
+    """A whole attention decoder layer as mlx-lm computes it, at the positions `rope` gives."""
+    attn = layer.self_attn
+    B, L, _ = h.shape
+    q, k, v, gate = qkv_at(layer, h, cache, rope)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
