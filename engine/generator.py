@@ -29,10 +29,11 @@ def generate(
     prompt_cache: Optional[PromptCache] = None,
     checkpoints: tuple = (),
     policy: Optional[DepthPolicy] = None,
+    images: tuple = (),
 ) -> Iterator[GenerationChunk]:
     sched = Scheduler(model, tokenizer, max_batch_size=1, prefill_chunk=None, prompt_cache=prompt_cache,
                       policy=policy or DepthPolicy(max_depth=depth, fixed=True))
-    sched.add(0, prompt, params, depth, checkpoints)  # bad input raises here, not on the first next()
+    sched.add(0, prompt, params, depth, checkpoints, images)  # bad input raises here, not on the first next()
     return _chunks(sched)
 
 

@@ -52,6 +52,7 @@ from .mtp_weights import (
 )
 from .safetensors_files import INDEX_FILE, read_index
 from .sharding import Split
+from .vision import load_vision
 
 log = logging.getLogger("mtp_serve.loader")
 
@@ -239,6 +240,9 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     mtp_model = MTPModel(model, text, head, card, config["model_type"])
+    if split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
+        mtp_model.vision = load_vision(config, weights, path, target)
+    del weights
     if head is not None:
         size = card.draft_vocab_size if draft_vocab is None else draft_vocab
         ids = load_draft_ids(path, size)

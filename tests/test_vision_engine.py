@@ -1,0 +1,203 @@
+"""Images in the engine (issue 25): with images in the prompt, greedy MTP output is
+token-identical to greedy plain output (depths 1-3, one and two images, batched rows
+with and without images, after a prompt-cache restore from memory and from disk,
+under a grammar); the image reaches the model (a different image changes the
+logits); the next turn of a conversation reuses the snapshot without encoding the
+image again, and a different image with the same token count never matches.
+
+The checkpoint is the agreeable synthetic Qwen3.5 with a tiny vision tower
+(`write_synthetic_checkpoint(..., vision=True)`): 8 rotary dims, M-RoPE sections
+[2, 1, 1] interleaved, so every position axis reaches the logits.
+"""
+
+import io
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+from mtp_serve.engine.generator import generate
+from mtp_serve.engine.grammar import Constraint
+from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.prefill import prefill
+from mtp_serve.engine.prompt_cache import PromptCache
+from mtp_serve.engine.prompt_cache.disk import DiskTier
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.scheduler import Scheduler
+from mtp_serve.engine.sequence import new_sequence
+from mtp_serve.models.caches import FULL_KV
+from mtp_serve.models.fingerprint import weights_fingerprint
+from mtp_serve.models.loader import weight_files
+from mtp_serve.models.vision import prepare_image
+
+
+def png(seed: int, size=(64, 48)) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm(loaded):
+    return loaded("qwen3_5", agreeable=True, vision=True)
+
+
+class CountingVision:
+    """The model's vision tower, counting the images it encodes."""
+
+    def __init__(self, vision):
+        self.inner, self.spec, self.encoded = vision, vision.spec, 0
+
+    def encode(self, images):
+        self.encoded += len(images)
+        return self.inner.encode(images)
+
+
+@pytest.fixture
+def counting(vlm):
+    original = vlm.model.vision
+    vlm.model.vision = CountingVision(original)
+    yield vlm.model.vision
+    vlm.model.vision = original
+
+
+def image_prompt(lm, images, before=(10, 11, 12, 13, 14), between=(20, 21, 22), after=(30, 31, 32, 33)):
+    spec = lm.model.vision.spec
+    ids = list(before)
+    for i, im in enumerate(images):
+        if i:
+            ids += list(between)
+        ids += [spec.vision_start_token_id] + [spec.image_token_id] * im.n_tokens + [spec.vision_end_token_id]
+    return ids + list(after)
+
+
+def run(lm, prompt, images, depth, cache=None, max_tokens=24, params=None, checkpoints=()):
+    out, stats = [], None
+    params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for chunk in generate(lm.model, lm.tokenizer, prompt, params, depth, cache, checkpoints=checkpoints, images=images):
+        out += chunk.token_ids
+        stats = chunk.stats
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def pictures(vlm):
+    spec = vlm.model.vision.spec
+    return {name: prepare_image(png(seed, size), spec) for name, seed, size in
+            [("a", 1, (64, 48)), ("b", 2, (64, 48)), ("c", 3, (40, 72))]}
+
+
+def first_logits(lm, prompt, images):
+    seq = new_sequence(lm.model, lm.tokenizer, 0, prompt, SamplingParams(max_tokens=1), 0, images=images)
+    seq.last_logits = None
+    from mtp_serve.engine import prefill as prefill_module
+
+    logits = []
+    orig = prefill_module.target_logprobs
+
+    def keep(row, *a, **k):
+        logits.append(row)
+        return orig(row, *a, **k)
+
+    prefill_module.target_logprobs = keep
+    try:
+        prefill(lm.model, seq)
+    finally:
+        prefill_module.target_logprobs = orig
+    return logits[0]
+
+
+def test_the_image_reaches_the_model(vlm, pictures):
+    a, b = pictures["a"], pictures["b"]
+    assert a.n_tokens == b.n_tokens > 1
+    la = first_logits(vlm, image_prompt(vlm, [a]), (a,))
+    lb = first_logits(vlm, image_prompt(vlm, [b]), (b,))
+    assert float(mx.abs(la - lb).max()) > 1e-3
+    again = first_logits(vlm, image_prompt(vlm, [a]), (a,))
+    assert mx.array_equal(la, again)
+
+
+@pytest.mark.parametrize("names", [("a",), ("a", "c")], ids=["one-image", "two-images"])
+def test_mtp_identical_to_plain_with_images(vlm, pictures, names):
+    images = tuple(pictures[n] for n in names)
+    prompt = image_prompt(vlm, images)
+    plain, _ = run(vlm, prompt, images, 0)
+    for depth in (1, 2, 3):
+        mtp, stats = run(vlm, prompt, images, depth)
+        assert mtp == plain, f"depth {depth}"
+        assert sum(stats.accepted) > 0
+
+
+def test_batched_rows_with_and_without_images(vlm, pictures):
+    a, c = pictures["a"], pictures["c"]
+    prompts = {"a": (image_prompt(vlm, [a]), (a,)), "text": (list(range(40, 75)), ()),
+               "ac": (image_prompt(vlm, [a, c], before=(50, 51)), (a, c))}
+    single = {k: run(vlm, p, ims, 0, max_tokens=20)[0] for k, (p, ims) in prompts.items()}
+    arrivals = {"a": 0, "text": 1, "ac": 3}
+    sched = Scheduler(vlm.model, vlm.tokenizer, max_batch_size=8, prefill_chunk=8,
+                      policy=DepthPolicy(max_depth=3, fixed=True))
+    out = {k: [] for k in prompts}
+    step = 0
+    while step == 0 or sched.has_work() or any(t >= step for t in arrivals.values()):
+        for k, t in arrivals.items():
+            if t == step:
+                sched.add(k, prompts[k][0], SamplingParams(max_tokens=20, ignore_eos=True), 3, images=prompts[k][1])
+        for key, chunk in sched.step():
+            assert not isinstance(chunk, Exception), chunk
+            out[key] += chunk.token_ids
+        step += 1
+        assert step < 500
+    assert out == single
+
+
+def test_next_turn_reuses_the_image_without_encoding_it(vlm, pictures, counting, tmp_path):
+    a, b = pictures["a"], pictures["b"]
+    turn1 = image_prompt(vlm, [a])
+    reply, _ = run(vlm, turn1, (a,), 0, max_tokens=6)
+    turn2 = turn1 + reply + [40, 41, 42, 43, 44, 45]
+    cold, _ = run(vlm, turn2, (a,), 2)
+    cache = PromptCache(interval=0)
+    run(vlm, turn1, (a,), 2, cache, max_tokens=6)
+    assert counting.encoded == 3  # the reply, the cold run and turn 1
+    warm, stats = run(vlm, turn2, (a,), 2, cache)
+    assert counting.encoded == 3, "the image was encoded again"
+    assert stats.cached_tokens >= len(turn1) and warm == cold
+    # The same token count with another image: no reuse past the image's start.
+    other = image_prompt(vlm, [b]) + reply + [40, 41, 42, 43, 44, 45]
+    _, other_stats = run(vlm, other, (b,), 2, cache)
+    assert other_stats.cached_tokens <= turn1.index(vlm.model.vision.spec.image_token_id)
+    assert counting.encoded == 4
+
+
+def test_image_snapshot_from_disk_after_restart(vlm, pictures, counting, tmp_path):
+    a = pictures["a"]
+    turn1 = image_prompt(vlm, [a])
+    turn2 = turn1 + [40, 41, 42, 43, 44, 45, 46, 47]
+    fp = weights_fingerprint(weight_files(vlm.path))
+    layout = tuple(layer.is_linear for layer in vlm.model.layers)
+    first = PromptCache(interval=0, disk=DiskTier(tmp_path, "m", fp, 1 << 30, layout, FULL_KV))
+    run(vlm, turn1, (a,), 2, first, max_tokens=4)
+    first.close()
+    restarted = PromptCache(interval=0, disk=DiskTier(tmp_path, "m", fp, 1 << 30, layout, FULL_KV))
+    before = counting.encoded
+    warm, stats = run(vlm, turn2, (a,), 2, restarted)
+    assert stats.cached_tokens == len(turn1) and counting.encoded == before
+    cold, _ = run(vlm, turn2, (a,), 0)
+    assert warm == cold
+
+
+def test_mtp_identical_to_plain_with_an_image_under_a_grammar(vlm, pictures):
+    a = pictures["a"]
+    prompt = image_prompt(vlm, [a])
+    constraint = Constraint("regex", r"[a-z]{3,12}( [a-z]{2,8}){1,4}")
+    outs = [run(vlm, prompt, (a,), depth, params=SamplingParams(max_tokens=40, constraint=constraint))[0]
+            for depth in (0, 2)]
+    assert outs[0] == outs[1] and len(outs[0]) > 3
+
+
+def test_a_text_only_model_refuses_images(loaded, pictures):
+    lm = loaded("qwen3_5", agreeable=True)
+    with pytest.raises(ValueError, match="no vision tower"):
+        new_sequence(lm.model, lm.tokenizer, 0, [1, 2, 3], SamplingParams(max_tokens=1), 0, images=(pictures["a"],))
