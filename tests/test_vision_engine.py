@@ -130,6 +130,16 @@ def test_mtp_identical_to_plain_with_images(vlm, pictures, names):
         assert sum(stats.accepted) > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_6_moe"])
+def test_mtp_identical_to_plain_with_images_moe(loaded, pictures, family):
+    lm = loaded(family, agreeable=True, vision=True)
+    images = (pictures["a"], pictures["c"])
+    prompt = image_prompt(lm, images)
+    plain, _ = run(lm, prompt, images, 0)
+    for depth in (1, 3):
+        assert run(lm, prompt, images, depth)[0] == plain, f"depth {depth}"
+
+
 def test_batched_rows_with_and_without_images(vlm, pictures):
     a, c = pictures["a"], pictures["c"]
     prompts = {"a": (image_prompt(vlm, [a]), (a,)), "text": (list(range(40, 75)), ()),
