@@ -98,6 +98,9 @@ def decode_rgb(data: bytes, limits: ImageLimits):
         raise
     except Image.DecompressionBombError as e:
         raise ImageError(f"image has too many pixels: {e}") from None
+    except Image.UnidentifiedImageError:  # also zero-size images: Pillow refuses their headers
+        raise ImageError("image cannot be decoded: unrecognised format, corrupt header or zero size "
+                         "(PNG, JPEG, GIF, WebP, BMP, TIFF are supported)") from None
     except Exception as e:  # Pillow raises many types for bad data (OSError, SyntaxError, ValueError, ...)
         raise ImageError(f"image cannot be decoded: {type(e).__name__}: {e}") from None
 
