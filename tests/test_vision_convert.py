@@ -60,7 +60,10 @@ def test_mtp_convert_keeps_the_tower_unquantized(tmp_path, checkpoint_dir):
     assert mx.array_equal(_encode(out, image), _encode(src, image))  # fp32 both sides: the same tower
     import mlx_lm
 
+    from mtp_serve.models.loader import load_model
+
     mlx_lm.load(str(out))  # stock mlx-lm still loads it (and skips the tower)
+    assert load_model(str(out)).mtp_status == "MTP on"
 
 
 def test_mtp_graft_keeps_an_mlx_layout_tower(tmp_path, checkpoint_dir, stock_converted):

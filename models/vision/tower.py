@@ -27,6 +27,7 @@ class TowerConfig:
     spatial_merge_size: int = 2
     in_channels: int = 3
     num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"  # the blocks' MLP (the merger always uses exact GELU)
 
     @classmethod
     def from_dict(cls, vc: dict) -> "TowerConfig":
@@ -34,7 +35,15 @@ class TowerConfig:
         deep = vc.get("deepstack_visual_indexes") or []
         if deep:
             raise ValueError(f"deepstack vision towers are not supported (deepstack_visual_indexes={deep})")
-        return cls(**{k: int(v) for k, v in vc.items() if k in names})
+        act = vc.get("hidden_act", cls.hidden_act)
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        return cls(**{k: int(v) for k, v in vc.items() if k in names and k != "hidden_act"}, hidden_act=act)
+
+
+# transformers' ACT2FN names -> MLX
+ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx, "gelu_fast": nn.gelu_approx,
+               "gelu": nn.gelu, "quick_gelu": nn.gelu_fast_approx, "silu": nn.silu}
 
 
 class PatchEmbed(nn.Module):
@@ -74,13 +83,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.act = ACTIVATIONS[act]
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Block(nn.Module):
@@ -89,7 +99,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(c.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=1e-6)
         self.attn = Attention(c.hidden_size, c.num_heads)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
     def __call__(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin)
