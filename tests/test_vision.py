@@ -301,3 +301,41 @@ def test_apply_mrope_matches_mlx_vlm_interleaved():
     got = apply_mrope(x, mx.array(pos), nn.RoPE(dims, base=1e7), spec)
     assert mx.abs(got - expected).max().item() < 1e-4
     assert mx.abs(got - nn.RoPE(dims, base=1e7)(x)).max().item() > 0.1  # image positions do move it
+
+
+# --- against Hugging Face transformers itself (only where PyTorch is installed) ------------
+
+def test_tower_mrope_and_rope_index_match_transformers(vl):
+    torch = pytest.importorskip("torch")
+    M = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig, Qwen3_5VisionConfig
+
+    config, weights, vision = vl
+    hf = M.Qwen3_5VisionModel(Qwen3_5VisionConfig(**{k: v for k, v in config["vision_config"].items()
+                                                      if k != "model_type"})).eval()
+    hf.load_state_dict({k[len("model.visual."):]: torch.from_numpy(np.array(v)) for k, v in weights.items()
+                        if k.startswith("model.visual.")}, strict=True)
+    images = [prepare_image(png(noise(50, 90, seed=0)), vision.spec), prepare_image(png(noise(130, 70, seed=1)), vision.spec)]
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(np.concatenate([i.pixels for i in images])),
+                 grid_thw=torch.tensor([i.grid_thw for i in images])).pooler_output.numpy()
+    assert np.abs(np.array(mx.concatenate(vision.encode(images))) - ref).max() < TOWER_ATOL
+
+    spec = spec_of(mrope_section=(11, 11, 10))
+    ids, grids = _prompt(spec, [2, (1, 8, 4), 3, (1, 4, 4), 4])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
+                                  get_vision_position_ids=lambda *a, **k: M.Qwen3_5Model.get_vision_position_ids(None, *a, **k))
+    types_ = torch.tensor([[int(i == spec.image_token_id) for i in ids]])
+    ref_pos, ref_delta = M.Qwen3_5Model.get_rope_index(model, torch.tensor([ids]), types_, image_grid_thw=torch.tensor(grids))
+    pos, delta = mrope_positions(ids, grids, spec)
+    np.testing.assert_array_equal(pos, ref_pos[:, 0].numpy())
+    assert delta == int(ref_delta[0, 0])
+
+    text = Qwen3_5TextConfig(head_dim=256, hidden_size=1024, num_attention_heads=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                              "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    x = np.random.default_rng(0).standard_normal((1, 4, len(ids), 256)).astype(np.float32)
+    cos, sin = M.Qwen3_5TextRotaryEmbedding(text)(torch.from_numpy(x), torch.from_numpy(pos)[:, None, :])
+    ref_x, _ = M.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)
+    got = apply_mrope(mx.array(x), mx.array(pos), nn.RoPE(64, base=1e7), spec)
+    assert np.abs(np.array(got) - ref_x.numpy()).max() < 1e-5

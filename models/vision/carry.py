@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from mtp_serve.models.safetensors_files import INDEX_FILE, float_dtype, read_index, weight_map
-from mtp_serve.models.vision.loader import TOWER_PREFIXES, _conv_to_mlx
+from mtp_serve.models.vision.loader import TOWER_PREFIXES, conv_to_mlx
 
 VISION_SHARD = "vision.safetensors"
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
@@ -55,7 +55,7 @@ def source_tower(source) -> Dict[str, mx.array]:
             prefix = next(p for p in TOWER_PREFIXES if key.startswith(p))
             name = "vision_tower." + key[len(prefix):]
             if name.endswith("patch_embed.proj.weight"):
-                value = _conv_to_mlx(value, in_channels)
+                value = conv_to_mlx(value, in_channels)
             out[name] = value
     return out
 

@@ -34,7 +34,7 @@ def is_vision_key(key: str) -> bool:
     return key.startswith(TOWER_PREFIXES)
 
 
-def _conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
+def conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
     """PyTorch Conv3d [out, C, t, p, p] -> MLX [out, t, p, p, C]; MLX layout passes through."""
     if w.ndim == 5 and w.shape[1] == in_channels and w.shape[-1] != in_channels:
         return w.transpose(0, 2, 3, 4, 1)
@@ -66,7 +66,7 @@ def tower_weights(weights: Dict[str, mx.array], prefix: str, c: TowerConfig,
             value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
                                   **_quant_params(quantization, key))
         if name == "patch_embed.proj.weight":
-            value = _conv_to_mlx(value, c.in_channels)
+            value = conv_to_mlx(value, c.in_channels)
         out[name] = value
     return out
 
