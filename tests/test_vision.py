@@ -339,3 +339,30 @@ def test_tower_mrope_and_rope_index_match_transformers(vl):
     ref_x, _ = M.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)
     got = apply_mrope(mx.array(x), mx.array(pos), nn.RoPE(64, base=1e7), spec)
     assert np.abs(np.array(got) - ref_x.numpy()).max() < 1e-5
+
+
+# --- the reference vision forward the engine's exactness tests compare with ---------------
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_reference_forward_reads_the_synthetic_checkpoint_as_mtp_serve_does(family, checkpoint_dir, loaded):
+    """tests/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
+    text, and its logits after an image depend on the image."""
+    pytest.importorskip("mlx_vlm.models.qwen3_5")
+    from vlm_reference import reference_logits
+
+    path = checkpoint_dir(family, vision=True)
+    lm = loaded(family, vision=True)
+    ids = [10, 42, 7, 99, 3, 250, 17]
+    _, ours = lm.model.forward(mx.array([ids]), lm.model.make_cache())
+    diff = mx.abs(ours[0] - reference_logits(path, ids)).max().item()
+    assert diff < 1e-4, diff
+
+    from mtp_serve.models.loader import load_weights
+
+    vision = load_vision(lm.config, load_weights(path), path)
+    spec = vision.spec
+    a, b = (prepare_image(png(noise(64, 96, seed=s)), spec) for s in (1, 2))
+    prompt = [10, 42, spec.vision_start_token_id] + [spec.image_token_id] * a.n_tokens + [spec.vision_end_token_id, 7]
+    la, lb = reference_logits(path, prompt, [a]), reference_logits(path, prompt, [b])
+    assert mx.abs(la[-1] - lb[-1]).max().item() > 1e-3
+    assert mx.abs(la[:2] - lb[:2]).max().item() == 0  # causal: text before the image is untouched

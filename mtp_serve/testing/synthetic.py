@@ -32,7 +32,7 @@ MINIMAL_CHAT_TEMPLATE = (
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 
-VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # The minimal template plus Qwen3.5's rendering of image content parts.
 VISION_CHAT_TEMPLATE = (
@@ -255,7 +255,7 @@ def write_synthetic_checkpoint(
 
     `vision` (qwen3_5, qwen3_5_moe, qwen3_6_moe): also a tiny vision tower (`model.visual.*`),
     its config (vision_config, image/vision token ids), preprocessor_config.json and a
-    tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> (ids 265, 266, 267) whose chat
+    tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|> (ids 265-268) whose chat
     template renders image content parts as Qwen3.5's does.
 
     `likely_eos` (with `agreeable`): EOS is one of the few likely tokens, so sampled
@@ -278,7 +278,7 @@ def write_synthetic_checkpoint(
         vc = tiny_vision_config(text["hidden_size"])
         first = 256 + len(QWEN_SPECIAL_TOKENS)
         config.update(vision_config=vc, vision_start_token_id=first, vision_end_token_id=first + 1,
-                      image_token_id=first + 2, video_token_id=first + 2)
+                      image_token_id=first + 2, video_token_id=first + 3)
         weights.update(random_vision_weights(vc, seed=seed + 7))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "preprocessor_config.json").write_text(json.dumps(tiny_preprocessor_config(vc), indent=2))
