@@ -165,6 +165,17 @@ def test_tower_matches_mlx_vlm(vl):
     assert mx.abs(expected).max().item() > 0.1  # a tower whose output is ~0 would pass anything
 
 
+def test_large_images_attend_in_blocks_with_the_same_result(vl, monkeypatch):
+    """A big image's attention runs in blocks of query rows (bounded memory), bit for bit the same."""
+    from mtp_serve.models.vision import tower
+
+    _, _, vision = vl
+    image = prepare_image(png(noise(128, 128)), vision.spec)  # 64 patches
+    whole = vision.encode([image])[0]
+    monkeypatch.setattr(tower, "SCORE_BUDGET", 4 * 64 * 2 * 10)  # 10 query rows per block
+    assert mx.array_equal(vision.encode([image])[0], whole)
+
+
 def test_mlx_layout_loads_the_same_tower(vl, vl_dir):
     """mlx-vlm / mlx-community names (`vision_tower.*`, conv in MLX layout) give the same tower."""
     config, weights, vision = vl

@@ -60,6 +60,9 @@ class PatchEmbed(nn.Module):
         return self.proj(x).reshape(-1, c.hidden_size)
 
 
+SCORE_BUDGET = 512 * 2**20  # bytes of fp32 attention scores per block of query rows
+
+
 def _rotate_half(x: mx.array) -> mx.array:
     h = x.shape[-1] // 2
     return mx.concatenate([-x[..., h:], x[..., :h]], axis=-1)
@@ -78,8 +81,22 @@ class Attention(nn.Module):
         q, k, v = mx.split(self.qkv(x).reshape(n, 3, self.num_heads, -1).transpose(1, 2, 0, 3), 3)
         q = q * cos + _rotate_half(q) * sin   # [1, heads, n, head_dim]
         k = k * cos + _rotate_half(k) * sin
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        out = self._attend(q, k, v)
         return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Full attention over the image's patches; a large image (Qwen3.5 allows 16 Mpx: ~65k
+        patches) goes in blocks of query rows, so the score matrix never exceeds SCORE_BUDGET."""
+        n = q.shape[2]
+        rows = max(1, SCORE_BUDGET // (4 * n * self.num_heads))
+        if rows >= n:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        parts = []
+        for i in range(0, n, rows):
+            part = mx.fast.scaled_dot_product_attention(q[:, :, i:i + rows], k, v, scale=self.scale)
+            mx.eval(part)  # one block's scores at a time
+            parts.append(part)
+        return mx.concatenate(parts, axis=2)
 
 
 class MLP(nn.Module):
