@@ -108,6 +108,19 @@ def test_animated_image_uses_first_frame():
     assert prepare_image(buf.getvalue(), spec).digest == prepare_image(first.getvalue(), spec).digest
 
 
+def test_exif_orientation_is_applied():
+    spec = spec_of()
+    pixels = noise(40, 100)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG", exif=exif.tobytes())
+    shown = prepare_image(buf.getvalue(), spec)
+    upright = prepare_image(png(np.ascontiguousarray(np.rot90(pixels, -1))), spec)
+    assert shown.grid_thw == upright.grid_thw and shown.grid_thw[1] > shown.grid_thw[2]
+    assert shown.digest == upright.digest
+
+
 def _zero_width_bmp() -> bytes:
     import struct
 
