@@ -221,6 +221,9 @@ def test_load_vision_none_without_tower(vl, vl_dir, caplog):
     assert load_vision({k: v for k, v in config.items() if k != "vision_config"}, weights, vl_dir) is None
     assert load_vision(config, text_only, vl_dir) is None
     assert "no vision tower" in caplog.text
+    deepstack = {**config, "vision_config": {**config["vision_config"], "deepstack_visual_indexes": [0]}}
+    assert load_vision(deepstack, weights, vl_dir) is None  # Qwen3-VL's deepstack: text only, with a warning
+    assert "deepstack" in caplog.text
     assert len(weights) > len(text_only)  # the checkpoint's dict is left whole
 
 

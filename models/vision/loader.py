@@ -102,8 +102,12 @@ def load_vision(config: dict, weights: Dict[str, mx.array], model_dir: Path, dty
         return None
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    c = TowerConfig.from_dict(vc)
-    spec = VisionSpec.from_model_dir(config, model_dir)
+    try:
+        c = TowerConfig.from_dict(vc)
+        spec = VisionSpec.from_model_dir(config, model_dir)
+    except (ValueError, TypeError) as e:  # a tower this server cannot run: serve the text model alone
+        log.warning("%s: vision tower not loaded (%s); serving without image input", model_dir, e)
+        return None
     tower = VisionTower(c)
     quantization = config.get("quantization") or config.get("quantization_config")
     tower.load_weights(list(tower_weights(weights, prefix, c, quantization).items()), strict=True)
