@@ -50,9 +50,10 @@ class CountingVision:
     def __init__(self, vision):
         self.inner, self.spec, self.encoded = vision, vision.spec, 0
 
-    def encode(self, images):
-        self.encoded += len(images)
-        return self.inner.encode(images)
+    def encode_steps(self, image, blocks_per_step=1):
+        for piece in self.inner.encode_steps(image, blocks_per_step):
+            self.encoded += piece is not None
+            yield piece
 
 
 @pytest.fixture
@@ -232,7 +233,8 @@ def test_logits_agree_with_mlx_vlm(loaded, pictures, family, n_images):
 
 
 def test_running_rows_decode_while_images_encode(vlm, pictures, counting):
-    """Each engine step encodes at most one image, and the running rows get their round in it."""
+    """Each engine step runs one block of the vision tower, and the running rows get their
+    round in it (the tiny tower has 2 blocks: two steps an image)."""
     a, c = pictures["a"], pictures["c"]
     sched = Scheduler(vlm.model, vlm.tokenizer, max_batch_size=8, prefill_chunk=64,
                       policy=DepthPolicy(max_depth=2, fixed=True))
@@ -240,7 +242,14 @@ def test_running_rows_decode_while_images_encode(vlm, pictures, counting):
     while not sched.batch.rows:
         list(sched.step())
     sched.add("images", image_prompt(vlm, [a, c]), SamplingParams(max_tokens=4, ignore_eos=True), 2, images=(a, c))
-    for expected in (1, 2):
+    for expected in (0, 1, 1, 2):
         got = dict(sched.step())
         assert counting.encoded == expected and "text" in got and "images" not in got
     assert "images" in dict(sched.step())
+
+
+def test_the_tower_in_pieces_gives_the_same_features(vlm, pictures):
+    vision = vlm.model.vision
+    for im in pictures.values():
+        *pieces, features = vision.encode_steps(im, blocks_per_step=1)
+        assert pieces == [None] and mx.array_equal(features, vision.encode([im])[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -83,11 +83,20 @@ class Vision:
         """Per image: [n_tokens, text_hidden] in the text model's compute dtype."""
         out = []
         for image in images:
-            emb = self.tower(mx.array(image.pixels), image.grid_thw).astype(self.out_dtype)
-            if emb.shape[0] != image.n_tokens:
-                raise ValueError(f"vision tower gave {emb.shape[0]} tokens for an image of {image.n_tokens}")
+            *_, emb = self.encode_steps(image, blocks_per_step=0)
             out.append(emb)
         return out
+
+    def encode_steps(self, image: PreparedImage, blocks_per_step: int = 1) -> Iterator[Optional[mx.array]]:
+        """`encode` of one image in pieces (`VisionTower.steps`): None per piece, then the features."""
+        for piece in self.tower.steps(mx.array(image.pixels), image.grid_thw, blocks_per_step):
+            if piece is None:
+                yield None
+                continue
+            emb = piece.astype(self.out_dtype)
+            if emb.shape[0] != image.n_tokens:
+                raise ValueError(f"vision tower gave {emb.shape[0]} tokens for an image of {image.n_tokens}")
+            yield emb
 
 
 def load_vision(config: dict, weights: Dict[str, mx.array], model_dir: Path, dtype=mx.float32) -> Optional[Vision]:

@@ -9,6 +9,7 @@ window into one text-width token. Parameter names follow mlx-vlm's `vision_tower
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -183,6 +184,13 @@ class VisionTower(nn.Module):
 
     def __call__(self, pixels: mx.array, grid_thw: tuple) -> mx.array:
         """One image's patches [t*h*w, C*tp*p*p] -> [t*h*w / merge^2, out_hidden]."""
+        *_, out = self.steps(pixels, grid_thw, blocks_per_step=0)
+        return out
+
+    def steps(self, pixels: mx.array, grid_thw: tuple, blocks_per_step: int = 1) -> Iterator[Optional[mx.array]]:
+        """The same forward in pieces: yields None after every `blocks_per_step` blocks (their
+        output evaluated; 0: no pieces), then the output. The engine runs one piece per step,
+        so the rows decoding meanwhile wait at most a piece, not a whole image."""
         t, h, w = (int(v) for v in grid_thw)
         if t != 1:  # video frames would need per-frame attention blocks; images are one frame
             raise ValueError(f"the vision tower encodes single images (t=1), got grid {grid_thw}")
@@ -190,6 +198,9 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixels.astype(self.patch_embed.proj.weight.dtype))
         x = x + self._position_embedding(t, h, w, rows, cols).astype(x.dtype)
         cos, sin = self._rotary(t, rows, cols, x.dtype)
-        for blk in self.blocks:
+        for i, blk in enumerate(self.blocks, 1):
             x = blk(x, cos, sin)
-        return self.merger(x)
+            if blocks_per_step and i % blocks_per_step == 0 and i < len(self.blocks):
+                mx.eval(x)
+                yield None
+        yield self.merger(x)
