@@ -10,14 +10,14 @@ hands the prepared images along with the prompt. Here:
   replaced by negative ids drawn from the image's content hash, so a prefix
   with an image matches only a prefix with the same image (in memory, on disk,
   across restarts), and a different image of the same size never does;
-* features: each image is encoded once, when prefill first reaches it (one
-  image per engine step, so running rows keep decoding between encodes); images
+* features: each image is encoded once, when prefill first reaches it, one
+  tower block per engine step (running rows decode between the pieces); images
   wholly inside a restored prefix are never encoded.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -42,6 +42,7 @@ class ImagePrompt:
             key[a:b] = [-1 - (base + j) % _KEY_RANGE for j in range(b - a)]
         self.key = key
         self.features: Dict[int, mx.array] = {}
+        self._encoding: Optional[Tuple[int, Iterator[Optional[mx.array]]]] = None  # (image, its pieces)
 
     @property
     def image_tokens(self) -> int:
@@ -53,13 +54,16 @@ class ImagePrompt:
         return any(a < n < b for a, b in self.spans)
 
     def encode_next(self, start: int, end: int) -> bool:
-        """Encode the first image overlapping prompt tokens [start, end) that is not yet
-        encoded; False when there is none."""
+        """Run the next piece (a tower block) of the encoding of the first image overlapping
+        prompt tokens [start, end) that is not encoded yet; False when there is none."""
         for i, (a, b) in enumerate(self.spans):
             if a < end and b > start and i not in self.features:
-                (feat,) = self.vision.encode([self.images[i]])
-                mx.eval(feat)
-                self.features[i] = feat
+                if self._encoding is None or self._encoding[0] != i:
+                    self._encoding = (i, self.vision.encode_steps(self.images[i]))
+                feat = next(self._encoding[1])
+                if feat is not None:
+                    mx.eval(feat)
+                    self.features[i], self._encoding = feat, None
                 return True
         return False
 

@@ -44,8 +44,8 @@ def prefill(
     start = seq.cached_tokens + seq.prefilled
     end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), (start // max_tokens + 1) * max_tokens)
     if images is not None:
-        # The vision tower runs for an image when prefill first reaches it: one image a
-        # step when chunked (running rows decode between encodes), all at once otherwise.
+        # The vision tower runs for an image when prefill first reaches it: a block a step
+        # when chunked (running rows decode between the pieces), all at once otherwise.
         while images.encode_next(start, end):
             if max_tokens is not None:
                 return None

@@ -74,8 +74,9 @@ def _to_rgb(img):
 
 
 def decode_rgb(data: bytes, limits: ImageLimits):
-    """Decode to a PIL RGB image (first frame of an animation), enforcing `limits`."""
-    from PIL import Image
+    """Decode to a PIL RGB image (first frame of an animation, EXIF orientation applied),
+    enforcing `limits`."""
+    from PIL import Image, ImageOps
 
     if not data:
         raise ImageError("image is empty (0 bytes)")
@@ -93,11 +94,16 @@ def decode_rgb(data: bytes, limits: ImageLimits):
                                  f"{limits.max_pixels} pixels (max_image_pixels)")
             img.seek(0)
             img.load()
+            # Camera photos store their orientation in EXIF; transformers' load_image and mlx-vlm apply it too.
+            img = ImageOps.exif_transpose(img)
             return _to_rgb(img)
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
         raise ImageError(f"image has too many pixels: {e}") from None
+    except Image.UnidentifiedImageError:  # also zero-size images: Pillow refuses their headers
+        raise ImageError("image cannot be decoded: unrecognised format, corrupt header or zero size "
+                         "(PNG, JPEG, GIF, WebP, BMP, TIFF are supported)") from None
     except Exception as e:  # Pillow raises many types for bad data (OSError, SyntaxError, ValueError, ...)
         raise ImageError(f"image cannot be decoded: {type(e).__name__}: {e}") from None
 

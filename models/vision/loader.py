@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -34,7 +34,7 @@ def is_vision_key(key: str) -> bool:
     return key.startswith(TOWER_PREFIXES)
 
 
-def _conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
+def conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
     """PyTorch Conv3d [out, C, t, p, p] -> MLX [out, t, p, p, C]; MLX layout passes through."""
     if w.ndim == 5 and w.shape[1] == in_channels and w.shape[-1] != in_channels:
         return w.transpose(0, 2, 3, 4, 1)
@@ -66,7 +66,7 @@ def tower_weights(weights: Dict[str, mx.array], prefix: str, c: TowerConfig,
             value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
                                   **_quant_params(quantization, key))
         if name == "patch_embed.proj.weight":
-            value = _conv_to_mlx(value, c.in_channels)
+            value = conv_to_mlx(value, c.in_channels)
         out[name] = value
     return out
 
@@ -83,11 +83,20 @@ class Vision:
         """Per image: [n_tokens, text_hidden] in the text model's compute dtype."""
         out = []
         for image in images:
-            emb = self.tower(mx.array(image.pixels), image.grid_thw).astype(self.out_dtype)
-            if emb.shape[0] != image.n_tokens:
-                raise ValueError(f"vision tower gave {emb.shape[0]} tokens for an image of {image.n_tokens}")
+            *_, emb = self.encode_steps(image, blocks_per_step=0)
             out.append(emb)
         return out
+
+    def encode_steps(self, image: PreparedImage, blocks_per_step: int = 1) -> Iterator[Optional[mx.array]]:
+        """`encode` of one image in pieces (`VisionTower.steps`): None per piece, then the features."""
+        for piece in self.tower.steps(mx.array(image.pixels), image.grid_thw, blocks_per_step):
+            if piece is None:
+                yield None
+                continue
+            emb = piece.astype(self.out_dtype)
+            if emb.shape[0] != image.n_tokens:
+                raise ValueError(f"vision tower gave {emb.shape[0]} tokens for an image of {image.n_tokens}")
+            yield emb
 
 
 def load_vision(config: dict, weights: Dict[str, mx.array], model_dir: Path, dtype=mx.float32) -> Optional[Vision]:
@@ -102,8 +111,12 @@ def load_vision(config: dict, weights: Dict[str, mx.array], model_dir: Path, dty
         return None
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    c = TowerConfig.from_dict(vc)
-    spec = VisionSpec.from_model_dir(config, model_dir)
+    try:
+        c = TowerConfig.from_dict(vc)
+        spec = VisionSpec.from_model_dir(config, model_dir)
+    except (ValueError, TypeError) as e:  # a tower this server cannot run: serve the text model alone
+        log.warning("%s: vision tower not loaded (%s); serving without image input", model_dir, e)
+        return None
     tower = VisionTower(c)
     quantization = config.get("quantization") or config.get("quantization_config")
     tower.load_weights(list(tower_weights(weights, prefix, c, quantization).items()), strict=True)
