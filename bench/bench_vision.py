@@ -37,8 +37,9 @@ Per row:
    with the prompt cache in memory holding turn 1 and its reply (`PromptCache`) against
    cold, with the image encodes each did (counted on the tower) and the tokens restored.
 4. decode: tokens/s after the first token, plain and MTP at --depths, from the prompt's
-   cached state, with the image prompt and with the text-only one; acceptance; each MTP
-   run's tokens must equal plain's (greedy) or the bench stops with an error.
+   cached state, with the image prompt and with the text-only one (their runs interleaved;
+   the fastest of --repeats counts); acceptance; each MTP run's tokens must equal plain's
+   (greedy) or the bench stops with an error.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -71,7 +73,8 @@ BEFORE, AFTER, FOLLOW_UP = 24, 40, 32  # text tokens before the image, after it,
 
 
 class TimedVision:
-    """The model's Vision, counting the images it encodes and the seconds the tower takes."""
+    """The model's Vision, counting the images it encodes and the seconds the tower takes
+    (whole with `encode`, or block by block with `encode_steps` as the engine runs it)."""
 
     def __init__(self, vision: Vision):
         self.inner, self.spec = vision, vision.spec
@@ -84,6 +87,22 @@ class TimedVision:
         self.seconds += pc() - t0
         self.encoded += len(images)
         return out
+
+    def encode_steps(self, image, *args, **kwargs):
+        pieces = self.inner.encode_steps(image, *args, **kwargs)
+        while True:
+            t0 = pc()
+            piece = next(pieces, StopIteration)
+            if piece is not None and piece is not StopIteration:
+                mx.eval(piece)
+                self.encoded += 1
+            self.seconds += pc() - t0
+            if piece is StopIteration:
+                return
+            yield piece
+
+    def __getattr__(self, name):  # anything else the engine asks of a Vision
+        return getattr(self.inner, name)
 
     def reset(self) -> None:
         self.encoded, self.seconds = 0, 0.0
@@ -127,7 +146,7 @@ def row_08b(args):
     vision = attach_vision(model, QWEN35_08B_TOWER, QWEN35_IDS)
     # Random text below the vision ids (248,053 and up).
     text = mx.random.randint(0, 248000, (8192,), key=mx.random.key(1)).tolist()
-    return lm, vision, QWEN35_08B_TOWER, text, QWEN35_VOCAB, args.sizes_08b
+    return lm, vision, QWEN35_08B_TOWER, text, QWEN35_VOCAB, args.sizes_08b, args.tokens_08b
 
 
 ROWS = {"demo": demo_row, "0.8b": row_08b}
@@ -204,36 +223,44 @@ def check_same(got, want, what: str) -> None:
         raise RuntimeError(f"{what}: greedy MTP output differs from greedy plain at token {first}")
 
 
-def decode_speeds(name, lm, prompt, images, cache, tokens, args, oracle_vocab) -> dict:
-    """Plain and MTP decode from the cached prompt, alternating; MTP must equal plain."""
-    cp = (len(prompt) - 1,)
-    run(lm, prompt, 4, 0, cache, images, cp)  # warm-up (decode shapes)
-    plain = run(lm, prompt, tokens, 0, cache, images, cp)[0]
-    if oracle_vocab:
-        from bench_acceptance_speed import oracle_drafts
+def decode_speeds(name, lm, steps: dict, caches: dict, tokens, args, oracle_vocab) -> dict:
+    """Plain and MTP decode from each prompt's cached state. The prompts (image, text) and the
+    modes interleave run by run, so the machine's load drifts onto both alike; MTP must equal plain."""
+    from bench_acceptance_speed import oracle_drafts
 
-        context = oracle_drafts(plain, args.acceptance, oracle_vocab)
-    else:
-        context = nullcontext()
-    out = {"plain": [], **{d: [] for d in args.depths}}
-    acc = {d: [] for d in args.depths}
-    with context:
-        run(lm, prompt, 8, max(args.depths), cache, images, cp)  # warm-up (verify windows)
-        for r in range(args.repeats):
-            order = [0, *args.depths] if r % 2 == 0 else [*args.depths, 0]
-            for d in order:
-                toks, _, tok_s, stats = run(lm, prompt, tokens, d, cache, images, cp)
-                check_same(toks, plain, f"{name}, {'image' if images else 'text'} prompt, {f'depth {d}' if d else 'plain'}")
-                out["plain" if d == 0 else d].append(tok_s)
-                if d:
-                    acc[d].append(stats.acceptance_rate)
-    return dict(plain_tok_s=max(out["plain"]), mtp={d: dict(tok_s=max(out[d]), speedup=max(out[d]) / max(out["plain"]),
-                                                           acceptance=sum(acc[d]) / len(acc[d])) for d in args.depths},
-                reply=plain)
+    def go(kind, n, depth):
+        prompt, images = steps[kind]
+        # 0.8b: drafts from the oracle, the same draws for every run (fresh seed each run).
+        context = oracle_drafts(plain[kind], args.acceptance, oracle_vocab) if depth and oracle_vocab else nullcontext()
+        with context:
+            return run(lm, prompt, n, depth, caches[kind], images, (len(prompt) - 1,))
+
+    plain = {}
+    for kind in steps:
+        go(kind, 4, 0)  # warm-up (decode shapes)
+        plain[kind] = go(kind, tokens, 0)[0]
+        go(kind, 8, max(args.depths))  # warm-up (verify windows)
+    speeds = {k: {d: [] for d in (0, *args.depths)} for k in steps}
+    acc = {k: {d: [] for d in args.depths} for k in steps}
+    runs = [(d, k) for r in range(args.repeats) for d in ((0, *args.depths) if r % 2 == 0 else (*args.depths, 0))
+            for k in (list(steps) if r % 2 == 0 else list(steps)[::-1])]
+    for depth, kind in progress(runs, f"[{name}] decode"):
+        toks, _, tok_s, stats = go(kind, tokens, depth)
+        check_same(toks, plain[kind], f"{name}, {kind} prompt, {f'depth {depth}' if depth else 'plain'}")
+        speeds[kind][depth].append(tok_s)
+        if depth:
+            acc[kind][depth].append(stats.acceptance_rate)
+    out = {}
+    for kind in steps:
+        best = {d: max(v) for d, v in speeds[kind].items()}
+        out[kind] = dict(plain_tok_s=best[0], reply=plain[kind],
+                         mtp={d: dict(tok_s=best[d], speedup=best[d] / best[0],
+                                      acceptance=sum(acc[kind][d]) / len(acc[kind][d])) for d in args.depths})
+    return out
 
 
 def run_row(name: str, args) -> dict:
-    t0 = pc()
+    t0, load0 = pc(), os.getloadavg()[0]
     lm, vision, shape, text, oracle_vocab, sizes, tokens = ROWS[name](args)
     spec = vision.spec
     print(f"[{name}] loaded in {pc() - t0:.0f}s; tower depth {shape['depth']}, hidden {shape['hidden_size']}, "
@@ -265,11 +292,8 @@ def run_row(name: str, args) -> dict:
                           **{k: best(v, "ttft_s") for k, v in prefill.items()})
 
     # 4. decode with and without the image, from the snapshots just stored.
-    decode = {}
-    for kind in progress(list(steps), f"[{name}] decode"):
-        prompt, images = steps[kind]
-        decode[kind] = decode_speeds(name, lm, prompt, images, caches[kind], tokens, args, oracle_vocab)
-        d = decode[kind]
+    decode = decode_speeds(name, lm, steps, caches, tokens, args, oracle_vocab)
+    for kind, d in decode.items():
         print(f"[{name}] decode {kind}: plain {d['plain_tok_s']:.1f} tok/s, " + ", ".join(
             f"MTP d{k} {m['tok_s']:.1f} ({m['speedup']:.2f}x, acceptance {m['acceptance']:.2f})"
             for k, m in d["mtp"].items()) + "; MTP = plain", flush=True)
@@ -295,6 +319,7 @@ def run_row(name: str, args) -> dict:
     out["turn2"] = dict(tokens=len(turn2), **turn)
     out["decode"] = dict(tokens=tokens, prompt_tokens=len(prompt_img), **decode)
     out["seconds"] = pc() - t0
+    out["load"] = dict(start=load0, end=os.getloadavg()[0])  # this machine is shared: the figures' noise
     del lm, vision, caches
     gc.collect()
     mx.clear_cache()
@@ -302,6 +327,9 @@ def run_row(name: str, args) -> dict:
 
 
 def tables(rows: list, args) -> None:
+    for r in rows:
+        print(f"\n[{r['model']}] {r['seconds']:.0f}s; load average (1 min) {r['load']['start']:.1f} at the start, "
+              f"{r['load']['end']:.1f} at the end ({os.cpu_count()} CPUs)")
     print("\n| model | image | patches -> tokens | prepare ms | encode s | ms / image token |")
     print("|---|---|---|---|---|---|")
     for r in rows:
