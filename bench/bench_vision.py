@@ -1,7 +1,7 @@
 """Images in the prompt: what the vision tower costs, what prefill, the prompt cache and MTP
 decode do with an image, side by side with text of the same length.
 
-    python bench/bench_vision.py                                   # both rows, about 5 minutes on 2 cores
+    python bench/bench_vision.py                                   # both rows, 4-5 minutes on 2 busy cores
     python bench/bench_vision.py --rows demo --sizes 256x256 512x512 1024x768
     python bench/bench_vision.py --rows 0.8b --sizes-08b 256x256 512x512 1024x768 --json out.json
 
