@@ -312,7 +312,10 @@ class Leader(SchedulerLike):
         self.busy_since: Optional[float] = None  # monotonic time the current step began
         link.post(hello={"mode": mode, "max_batch_size": sched.max_batch_size, "prefill_chunk": sched.prefill_chunk})
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
+            images: tuple = ()) -> None:
+        if images:  # the other ranks would prefill the pad tokens without the images
+            raise ValueError("images are not served across ranks yet")
         self.sched.add(key, prompt, params, max_depth, checkpoints)
         seq, seed = self.sched.seqs[key], random_seed()
         seq.rng = Rng(seed)

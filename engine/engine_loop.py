@@ -78,6 +78,7 @@ class RequestHandle:
     params: SamplingParams
     depth: int
     checkpoints: tuple
+    images: tuple  # the prompt's PreparedImages (models/vision), in order; () for text
     _loop: asyncio.AbstractEventLoop
     _queue: asyncio.Queue
     _engine: "EngineLoop"
@@ -132,12 +133,15 @@ class EngineLoop:
 
     # -- asyncio side
 
-    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0, checkpoints: tuple = ()) -> RequestHandle:
+    def submit(self, prompt: List[int], params: SamplingParams, depth: int = 0, checkpoints: tuple = (),
+               images: tuple = ()) -> RequestHandle:
         """Queue a request; call from the event loop that will iterate the handle.
 
-        `checkpoints`: prompt lengths at which to keep a prompt-cache snapshot."""
+        `checkpoints`: prompt lengths at which to keep a prompt-cache snapshot; `images`: the
+        prompt's PreparedImages, in the order of their image-pad runs in `prompt`."""
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(next(self._ids), list(prompt), params, depth, tuple(checkpoints), loop, asyncio.Queue(), self)
+        handle = RequestHandle(next(self._ids), list(prompt), params, depth, tuple(checkpoints), tuple(images), loop,
+                               asyncio.Queue(), self)
         with self._cond:
             if not self._running:
                 raise EngineStopped("the engine is not running")
@@ -259,7 +263,7 @@ class EngineLoop:
 
     def _admit(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth, handle.checkpoints)
+            self.scheduler.add(handle.id, handle.prompt, handle.params, handle.depth, handle.checkpoints, images=handle.images)
         except Exception as e:  # noqa: BLE001 - reported to the request, the loop goes on
             log.warning("request %d rejected by the engine: %s", handle.id, e)
             self._finish(handle, EngineError(f"{type(e).__name__}: {e}"))

@@ -41,7 +41,8 @@ class SchedulerLike(Protocol):
     """What the engine loop drives: the `Scheduler`, or rank 0's `Leader` around it
     (serving across ranks, `distributed.py`)."""
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None: ...
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
+            images: tuple = ()) -> None: ...
 
     def cancel(self, key: Hashable) -> None: ...
 
@@ -83,14 +84,17 @@ class Scheduler(SchedulerLike):
 
     # -- requests
 
-    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = ()) -> None:
-        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries)."""
+    def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
+            images: tuple = ()) -> None:
+        """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries);
+        `images`: the prompt's PreparedImages, in order (kept as `seq.images`)."""
         if self.prompt_cache is not None:
             checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
         # The constraint arrives prepared (compiled off this thread, `EngineLoop.check_constraint`): a copy, no compiling.
         grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
         seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
                            prior_acceptance=self.policy.start_rates(), grammar=grammar)
+        seq.images = tuple(images)
         self.seqs[key] = seq
         self.prefilling.append(seq)
 
