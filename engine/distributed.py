@@ -314,8 +314,8 @@ class Leader(SchedulerLike):
 
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
             images: tuple = ()) -> None:
-        if images:  # the other ranks would prefill the pad tokens without the images
-            raise ValueError("images are not served across ranks yet")
+        if images:
+            raise ValueError("images are not served across mlx.launch ranks yet: serve a vision model on one rank")
         self.sched.add(key, prompt, params, max_depth, checkpoints)
         seq, seed = self.sched.seqs[key], random_seed()
         seq.rng = Rng(seed)

@@ -87,14 +87,13 @@ class Scheduler(SchedulerLike):
     def add(self, key: Hashable, prompt: List[int], params: SamplingParams, max_depth: int, checkpoints: tuple = (),
             images: tuple = ()) -> None:
         """`checkpoints`: prompt lengths worth a prompt-cache snapshot (message boundaries);
-        `images`: the prompt's PreparedImages, in order (kept as `seq.images`)."""
+        `images`: the prompt's prepared images (models/vision), in order."""
         if self.prompt_cache is not None:
             checkpoints = self.prompt_cache.checkpoints(len(prompt), checkpoints)
         # The constraint arrives prepared (compiled off this thread, `EngineLoop.check_constraint`): a copy, no compiling.
         grammar = self.grammar_compiler().matcher(params.constraint) if params.constraint is not None else None
         seq = new_sequence(self.model, self.tokenizer, key, prompt, params, max_depth, checkpoints,
                            prior_acceptance=self.policy.start_rates(), grammar=grammar)
-        seq.images = tuple(images)
         self.seqs[key] = seq
         self.prefilling.append(seq)
 

@@ -128,7 +128,6 @@ class Sequence:
     # Prompt lengths at which prefill stops for a prompt-cache snapshot.
     checkpoints: tuple = ()
     grammar: Optional[RowGrammar] = None  # the matcher of a constrained request, at the output so far
-    images: tuple = ()  # the prompt's PreparedImages (models/vision), in order of their image-pad runs
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property
