@@ -33,6 +33,9 @@ fi
 
 if [ "$want_test" = 1 ]; then
   python3 -m pip install -q -e ".[test]"
+  # mlx-vlm is tests/test_vision.py's reference vision tower; its own dependencies (datasets, opencv,
+  # mlx-audio) are not needed for that, so it goes in without them.
+  python3 -m pip install -q --no-deps mlx-vlm==0.7.10
   # The web page's tests drive Debian's chromium with playwright (pip); no browser is downloaded.
   if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

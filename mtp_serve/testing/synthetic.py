@@ -32,6 +32,60 @@ MINIMAL_CHAT_TEMPLATE = (
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+# The minimal template plus Qwen3.5's rendering of image content parts.
+VISION_CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content is not none -%}{%- for item in content -%}"
+    "{%- if item.type in ('image', 'image_url') or 'image' in item or 'image_url' in item -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif 'text' in item -%}{{ item.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ render(m['content']) }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vision_config(text_hidden: int, **overrides) -> dict:
+    """A Qwen3.5-shaped vision tower small enough for unit tests (depth 2, width 32)."""
+    c = dict(model_type="qwen3_5", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+             out_hidden_size=text_hidden, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+             in_channels=3, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
+             deepstack_visual_indexes=[])
+    c.update(overrides)
+    return c
+
+
+def tiny_preprocessor_config(vision: dict, min_pixels: int = 32 * 32, max_pixels: int = 128 * 128) -> dict:
+    """preprocessor_config.json with small bounds: at most (128/32)^2 = 16 image tokens."""
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+            "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+            "resample": 3}
+
+
+def random_vision_weights(vision: dict, seed: int = 0, hf_layout: bool = True) -> dict:
+    """Random tower tensors: `model.visual.*` with PyTorch's Conv3d layout (as HF ships them),
+    or mlx-vlm's `vision_tower.*` with MLX's layout."""
+    from mtp_serve.models.vision.tower import TowerConfig, VisionTower
+
+    mx.random.seed(seed)
+    tower = VisionTower(TowerConfig.from_dict(vision))
+    params = dict(tree_flatten(tower.parameters()))
+    for k, v in params.items():  # LayerNorms away from (1, 0), so a dropped norm shows up
+        if ".norm" in k or k.startswith("norm"):
+            params[k] = v + 0.1 * mx.random.normal(v.shape)
+    params["pos_embed.weight"] = 0.5 * mx.random.normal(params["pos_embed.weight"].shape)
+    if not hf_layout:
+        return {f"vision_tower.{k}": v for k, v in params.items()}
+    params["patch_embed.proj.weight"] = params["patch_embed.proj.weight"].transpose(0, 4, 1, 2, 3)
+    return {f"model.visual.{k}": v for k, v in params.items()}
+
 
 def tiny_text_config(family: str, **overrides) -> dict:
     c = dict(
@@ -125,10 +179,12 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
     lm.lm_head.weight = W * (0.05 + 10.0 * keep)
 
 
-def write_byte_tokenizer(out_dir: Path, chat_template: str = MINIMAL_CHAT_TEMPLATE, eos: str = "<|im_end|>") -> int:
+def write_byte_tokenizer(out_dir: Path, chat_template: str = MINIMAL_CHAT_TEMPLATE, eos: str = "<|im_end|>",
+                         extra_special: tuple = ()) -> int:
     """A byte-level BPE tokenizer with no merges (256 byte tokens) plus Qwen's special tokens.
 
-    Returns the vocabulary size; ids 256.. are the special tokens in QWEN_SPECIAL_TOKENS order.
+    Returns the vocabulary size; ids 256.. are the special tokens in QWEN_SPECIAL_TOKENS order,
+    then `extra_special`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -138,11 +194,11 @@ def write_byte_tokenizer(out_dir: Path, chat_template: str = MINIMAL_CHAT_TEMPLA
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
+    tok.add_special_tokens(QWEN_SPECIAL_TOKENS + list(extra_special))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>")
     fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
-    return len(vocab) + len(QWEN_SPECIAL_TOKENS)
+    return len(vocab) + len(QWEN_SPECIAL_TOKENS) + len(extra_special)
 
 
 def write_word_tokenizer(out_dir: Path, vocab_size: int, chat_template: str = MINIMAL_CHAT_TEMPLATE) -> None:
@@ -191,24 +247,46 @@ def write_synthetic_checkpoint(
     max_shard_tensors: Optional[int] = 40,
     dtype: mx.Dtype = mx.float32,
     words: bool = False,
+    vision: bool = False,
     **text_overrides,
 ) -> Path:
     """Write a random checkpoint of `family` in HF layout with a byte tokenizer
     (`words`: a word tokenizer whose text gives the token ids back).
 
+    `vision` (qwen3_5, qwen3_5_moe, qwen3_6_moe): also a tiny vision tower (`model.visual.*`),
+    its config (vision_config, image/vision token ids), preprocessor_config.json and a
+    tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> (ids 265, 266, 267) whose chat
+    template renders image content parts as Qwen3.5's does.
+
     `likely_eos` (with `agreeable`): EOS is one of the few likely tokens, so sampled
     replies end after a handful of tokens (agents' end-to-end tests)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}")
+    if vision and (family == "qwen3_next" or words):
+        raise ValueError("vision checkpoints are Qwen3.5/3.6 families with the byte tokenizer")
     out_dir = Path(out_dir)
+    if vision and "rope_parameters" not in text_overrides:
+        # 8 rotary dims = 4 frequencies, interleaved t h w t: every M-RoPE axis moves the logits.
+        text_overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     text = tiny_text_config(family, **text_overrides)
     model, head, config = build_random(family, text, seed=seed, with_head=with_head)
     if agreeable:
         make_agreeable(model, head, family, also_likely=(text["eos_token_id"],) if likely_eos else ())
     weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
+    if vision:
+        vc = tiny_vision_config(text["hidden_size"])
+        first = 256 + len(QWEN_SPECIAL_TOKENS)
+        config.update(vision_config=vc, vision_start_token_id=first, vision_end_token_id=first + 1,
+                      image_token_id=first + 2, video_token_id=first + 2)
+        weights.update(random_vision_weights(vc, seed=seed + 7))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(tiny_preprocessor_config(vc), indent=2))
     save_hf_checkpoint(out_dir, weights, config, dtype=dtype, mtp_shard=mtp_shard, max_shard_tensors=max_shard_tensors)
     if words:
         write_word_tokenizer(out_dir, text["vocab_size"])
+    elif vision:
+        write_byte_tokenizer(out_dir, chat_template=VISION_CHAT_TEMPLATE, extra_special=tuple(VISION_SPECIAL_TOKENS))
     else:
         write_byte_tokenizer(out_dir)
     gen = {"eos_token_id": text["eos_token_id"]}
