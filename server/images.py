@@ -103,19 +103,16 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
         try:
             out.append(prepare_image(data, vision.spec, limits))
         except ImageError as e:
-            raise ref.error(f"{e}{limit_flag(str(e))}") from e
+            raise ref.error(with_flag(str(e))) from e
     return tuple(out)
 
 
-def limit_flag(message: str) -> str:
-    """The flag that sets the limit an ImageError names, when the message does not say it."""
-    if "--max-image" in message:
-        return ""
-    if "pixel" in message:
-        return " (--max-image-pixels)"
-    if "byte" in message:
-        return " (--max-image-bytes)"
-    return ""
+def with_flag(message: str) -> str:
+    """An ImageError's message naming the server flag of the limit it names."""
+    for name, flag in (("max_image_pixels", "--max-image-pixels"), ("max_image_bytes", "--max-image-bytes")):
+        if name in message:
+            return message.replace(name, flag)
+    return message + (" (--max-image-pixels)" if "too many pixels" in message else "")
 
 
 def image_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
