@@ -15,6 +15,7 @@ import base64
 import binascii
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
@@ -24,8 +25,9 @@ import httpx
 from mtp_serve.server.errors import APIError, bad_request
 
 IMAGE_PARTS = ("image_url", "image", "input_image")  # chat, Anthropic Messages, Responses
-SCHEMES = ("data", "http", "https")
 FETCH_CHUNK = 1 << 16
+# Image downloads: threads that wait on the network, beside the tokenizer threads that render.
+FETCHERS = ThreadPoolExecutor(8, thread_name_prefix="mtp-image-fetch")
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,16 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
     from mtp_serve.models.vision import ImageError, ImageLimits, prepare_image
 
     limits = ImageLimits(max_pixels=settings.max_image_pixels, max_bytes=settings.max_image_bytes)
+    # URLs are fetched side by side (a request's images take one fetch time, not one each)
+    fetches = {ref: FETCHERS.submit(fetch, ref, settings) for ref in refs if is_http(ref.url)}
     out = []
     for ref in refs:
-        data = image_bytes(ref, settings)
+        try:
+            data = fetches[ref].result() if ref in fetches else image_bytes(ref, settings)
+        except APIError:
+            for f in fetches.values():
+                f.cancel()
+            raise
         try:
             out.append(prepare_image(data, vision.spec, limits))
         except ImageError as e:
@@ -115,14 +124,22 @@ def with_flag(message: str) -> str:
     return message + (" (--max-image-pixels)" if "too many pixels" in message else "")
 
 
+def scheme(url: str) -> str:
+    return urlsplit(url[:64]).scheme.lower() if ":" in url[:64] else ""
+
+
+def is_http(url: str) -> bool:
+    return scheme(url) in ("http", "https")
+
+
 def image_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
     """The encoded image a ref points at: a data URL decoded, an http(s) URL fetched."""
-    scheme = urlsplit(ref.url[:64]).scheme.lower() if ":" in ref.url[:64] else ""
-    if scheme == "data":
+    kind = scheme(ref.url)
+    if kind == "data":
         return data_url_bytes(ref, settings)
-    if scheme in ("http", "https"):
+    if kind in ("http", "https"):
         return fetch(ref, settings)
-    shown = f"scheme {scheme!r}" if scheme else "a URL without a scheme"
+    shown = f"scheme {kind!r}" if kind else "a URL without a scheme"
     raise ref.error(f"{shown} is not supported for images (data:, http:, https:)")
 
 

@@ -23,7 +23,7 @@ import pytest
 from mtp_serve.server.images import ImageSettings
 from mtp_serve.testing.launch import free_port
 
-pytestmark = pytest.mark.e2e  # live servers (conftest.py: test tiers)
+e2e = pytest.mark.e2e  # live servers (conftest.py: test tiers); Codex below is the agents tier
 
 LIMITS = ImageSettings(max_images=4, max_image_bytes=200_000, max_image_pixels=1_000_000, fetch_timeout=1.0)
 GREEDY = {"temperature": 0}
@@ -182,6 +182,7 @@ def error_message(api: str, r: httpx.Response) -> str:
 # ---------------------------------------------------------------- 400s
 
 
+@e2e
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_text_only_model_refuses_images(server, api, stream):
@@ -206,6 +207,7 @@ BAD = {  # class: (urls, a needle of the 400's message); `{host}` is the loopbac
 }
 
 
+@e2e
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("case", BAD)
 def test_bad_images_are_400s_in_each_api(vision_server, host, api, case):
@@ -219,6 +221,7 @@ def test_bad_images_are_400s_in_each_api(vision_server, host, api, case):
     assert vision_server.service.engine.active_count == 0
 
 
+@e2e
 def test_images_in_system_and_assistant_turns_are_400s(vision_server):
     image = {"type": "image_url", "image_url": {"url": data_url(SMALL)}}
     for role in ("system", "assistant"):
@@ -267,6 +270,7 @@ def conversations(host_url: str) -> dict:
     return {"chat": chat, "messages": messages, "responses": responses, "sent": [SMALL, WIDE, SMALL, png(96, 64, seed=3)]}
 
 
+@e2e
 def test_images_reach_the_prompt_in_order_with_their_token_counts(vision_server, host):
     from mtp_serve.models.vision import prepare_image
     from mtp_serve.server import anthropic_api, openai_api, responses_api
@@ -295,6 +299,7 @@ def test_images_reach_the_prompt_in_order_with_their_token_counts(vision_server,
     assert (f"/small.png") in host.hits
 
 
+@e2e
 def test_usage_counts_image_tokens_and_the_log_says_so(vision_server, host, caplog):
     spec = vision_server.service.chat.vision.spec
     from mtp_serve.models.vision import prepare_image
@@ -318,6 +323,18 @@ def test_usage_counts_image_tokens_and_the_log_says_so(vision_server, host, capl
     assert text["prompt_tokens_details"]["image_tokens"] == 0
 
 
+@e2e
+def test_an_image_in_a_stored_response_reaches_the_next_turn(vision_server):
+    first = post(vision_server, "responses", [data_url(WIDE)]).json()
+    n = first["usage"]["input_tokens_details"]["image_tokens"]
+    assert n == 12
+    body = {"model": "test-model", "input": "And now?", "previous_response_id": first["id"], "max_output_tokens": 4, **GREEDY}
+    follow = httpx.post(vision_server.base_url + "/responses", json=body, timeout=60).json()
+    assert follow["usage"]["input_tokens_details"]["image_tokens"] == n
+    assert follow["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+
+
+@e2e
 def test_a_raw_prompt_with_image_pads_is_a_400(vision_server):
     pad = vision_server.service.chat.vision.spec.image_token_id
     r = httpx.post(vision_server.base_url + "/completions", json={"model": "test-model", "prompt": [1, pad, 2], "max_tokens": 2})
@@ -327,6 +344,7 @@ def test_a_raw_prompt_with_image_pads_is_a_400(vision_server):
 # ---------------------------------------------------------------- real clients
 
 
+@e2e
 def test_openai_sdk_image_url(vision_server, host):
     client = openai.OpenAI(base_url=vision_server.base_url, api_key="none", max_retries=0)
     content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": data_url(SMALL)}}]
@@ -345,6 +363,7 @@ def test_openai_sdk_image_url(vision_server, host):
     assert done.response.usage.input_tokens_details.model_extra["image_tokens"] == 12
 
 
+@e2e
 def test_anthropic_sdk_base64_image_and_tool_result(vision_server):
     client = anthropic.Anthropic(base_url=vision_server.root, api_key="none", max_retries=0, timeout=60)
     image = anthropic_image(data_url(SMALL))
