@@ -23,6 +23,12 @@ tokens stay as they are. The rendered text is then split at the template's
 special tokens (as the tokenizer itself does) and each piece between them is
 tokenized with the markers turned back into their text and special tokens read
 as text, so client text gets exactly the ids ordinary text would.
+
+Images: each API's image parts arrive as {"type": "image", "image": ImageRef}
+(translate.flatten_text); `render` resolves them (images.py: fetched, decoded,
+resized), hands the template HF's {"type": "image"} items, and after tokenizing
+expands the template's one `<|image_pad|>` per image to the image's n_tokens
+pads, in order (`ChatPrompt.images`).
 """
 
 from __future__ import annotations
