@@ -204,6 +204,7 @@ BAD = {  # class: (urls, a needle of the 400's message); `{host}` is the loopbac
     "http 404": (["{host}/missing.png"], "HTTP 404"),
     "refused": ([f"http://127.0.0.1:{free_port()}/x.png"], "failed"),
     "fetch timeout": (["{host}/slow.png"], "--image-fetch-timeout"),
+    "fetch timeouts side by side": (["{host}/slow.png"] * LIMITS.max_images, "--image-fetch-timeout"),  # one timeout, not four
 }
 
 
