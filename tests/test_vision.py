@@ -85,7 +85,7 @@ def test_prepare_image_matches_transformers_processor(name):
     got = prepare_image(data, spec)
     assert got.grid_thw == tuple(ref["image_grid_thw"][0])
     assert got.pixels.dtype == np.float32 and got.pixels.shape == ref["pixel_values"].shape
-    np.testing.assert_allclose(got.pixels, ref["pixel_values"], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got.pixels, ref["pixel_values"])  # the same arithmetic: bit for bit
     assert got.n_tokens == int(np.prod(got.grid_thw)) // 4
 
 
@@ -106,6 +106,19 @@ def test_animated_image_uses_first_frame():
     first = io.BytesIO()
     frames[0].save(first, "GIF")
     assert prepare_image(buf.getvalue(), spec).digest == prepare_image(first.getvalue(), spec).digest
+
+
+def test_exif_orientation_is_applied():
+    spec = spec_of()
+    pixels = noise(40, 100)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG", exif=exif.tobytes())
+    shown = prepare_image(buf.getvalue(), spec)
+    upright = prepare_image(png(np.ascontiguousarray(np.rot90(pixels, -1))), spec)
+    assert shown.grid_thw == upright.grid_thw and shown.grid_thw[1] > shown.grid_thw[2]
+    assert shown.digest == upright.digest
 
 
 def _zero_width_bmp() -> bytes:
@@ -165,6 +178,17 @@ def test_tower_matches_mlx_vlm(vl):
     assert mx.abs(expected).max().item() > 0.1  # a tower whose output is ~0 would pass anything
 
 
+def test_large_images_attend_in_blocks_with_the_same_result(vl, monkeypatch):
+    """A big image's attention runs in blocks of query rows (bounded memory), bit for bit the same."""
+    from mtp_serve.models.vision import tower
+
+    _, _, vision = vl
+    image = prepare_image(png(noise(128, 128)), vision.spec)  # 64 patches
+    whole = vision.encode([image])[0]
+    monkeypatch.setattr(tower, "SCORE_BUDGET", 4 * 64 * 2 * 10)  # 10 query rows per block
+    assert mx.array_equal(vision.encode([image])[0], whole)
+
+
 def test_mlx_layout_loads_the_same_tower(vl, vl_dir):
     """mlx-vlm / mlx-community names (`vision_tower.*`, conv in MLX layout) give the same tower."""
     config, weights, vision = vl
@@ -197,6 +221,9 @@ def test_load_vision_none_without_tower(vl, vl_dir, caplog):
     assert load_vision({k: v for k, v in config.items() if k != "vision_config"}, weights, vl_dir) is None
     assert load_vision(config, text_only, vl_dir) is None
     assert "no vision tower" in caplog.text
+    deepstack = {**config, "vision_config": {**config["vision_config"], "deepstack_visual_indexes": [0]}}
+    assert load_vision(deepstack, weights, vl_dir) is None  # Qwen3-VL's deepstack: text only, with a warning
+    assert "deepstack" in caplog.text
     assert len(weights) > len(text_only)  # the checkpoint's dict is left whole
 
 
@@ -301,3 +328,68 @@ def test_apply_mrope_matches_mlx_vlm_interleaved():
     got = apply_mrope(x, mx.array(pos), nn.RoPE(dims, base=1e7), spec)
     assert mx.abs(got - expected).max().item() < 1e-4
     assert mx.abs(got - nn.RoPE(dims, base=1e7)(x)).max().item() > 0.1  # image positions do move it
+
+
+# --- against Hugging Face transformers itself (only where PyTorch is installed) ------------
+
+def test_tower_mrope_and_rope_index_match_transformers(vl):
+    torch = pytest.importorskip("torch")
+    M = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig, Qwen3_5VisionConfig
+
+    config, weights, vision = vl
+    hf = M.Qwen3_5VisionModel(Qwen3_5VisionConfig(**{k: v for k, v in config["vision_config"].items()
+                                                      if k != "model_type"})).eval()
+    hf.load_state_dict({k[len("model.visual."):]: torch.from_numpy(np.array(v)) for k, v in weights.items()
+                        if k.startswith("model.visual.")}, strict=True)
+    images = [prepare_image(png(noise(50, 90, seed=0)), vision.spec), prepare_image(png(noise(130, 70, seed=1)), vision.spec)]
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(np.concatenate([i.pixels for i in images])),
+                 grid_thw=torch.tensor([i.grid_thw for i in images])).pooler_output.numpy()
+    assert np.abs(np.array(mx.concatenate(vision.encode(images))) - ref).max() < TOWER_ATOL
+
+    spec = spec_of(mrope_section=(11, 11, 10))
+    ids, grids = _prompt(spec, [2, (1, 8, 4), 3, (1, 4, 4), 4])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
+                                  get_vision_position_ids=lambda *a, **k: M.Qwen3_5Model.get_vision_position_ids(None, *a, **k))
+    types_ = torch.tensor([[int(i == spec.image_token_id) for i in ids]])
+    ref_pos, ref_delta = M.Qwen3_5Model.get_rope_index(model, torch.tensor([ids]), types_, image_grid_thw=torch.tensor(grids))
+    pos, delta = mrope_positions(ids, grids, spec)
+    np.testing.assert_array_equal(pos, ref_pos[:, 0].numpy())
+    assert delta == int(ref_delta[0, 0])
+
+    text = Qwen3_5TextConfig(head_dim=256, hidden_size=1024, num_attention_heads=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                              "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    x = np.random.default_rng(0).standard_normal((1, 4, len(ids), 256)).astype(np.float32)
+    cos, sin = M.Qwen3_5TextRotaryEmbedding(text)(torch.from_numpy(x), torch.from_numpy(pos)[:, None, :])
+    ref_x, _ = M.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin)
+    got = apply_mrope(mx.array(x), mx.array(pos), nn.RoPE(64, base=1e7), spec)
+    assert np.abs(np.array(got) - ref_x.numpy()).max() < 1e-5
+
+
+# --- the reference vision forward the engine's exactness tests compare with ---------------
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_reference_forward_reads_the_synthetic_checkpoint_as_mtp_serve_does(family, checkpoint_dir, loaded):
+    """tests/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
+    text, and its logits after an image depend on the image."""
+    pytest.importorskip("mlx_vlm.models.qwen3_5")
+    from vlm_reference import reference_logits
+
+    path = checkpoint_dir(family, vision=True)
+    lm = loaded(family, vision=True)
+    ids = [10, 42, 7, 99, 3, 250, 17]
+    _, ours = lm.model.forward(mx.array([ids]), lm.model.make_cache())
+    diff = mx.abs(ours[0] - reference_logits(path, ids)).max().item()
+    assert diff < 1e-4, diff
+
+    from mtp_serve.models.loader import load_weights
+
+    vision = load_vision(lm.config, load_weights(path), path)
+    spec = vision.spec
+    a, b = (prepare_image(png(noise(64, 96, seed=s)), spec) for s in (1, 2))
+    prompt = [10, 42, spec.vision_start_token_id] + [spec.image_token_id] * a.n_tokens + [spec.vision_end_token_id, 7]
+    la, lb = reference_logits(path, prompt, [a]), reference_logits(path, prompt, [b])
+    assert mx.abs(la[-1] - lb[-1]).max().item() > 1e-3
+    assert mx.abs(la[:2] - lb[:2]).max().item() == 0  # causal: text before the image is untouched

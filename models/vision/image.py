@@ -74,8 +74,9 @@ def _to_rgb(img):
 
 
 def decode_rgb(data: bytes, limits: ImageLimits):
-    """Decode to a PIL RGB image (first frame of an animation), enforcing `limits`."""
-    from PIL import Image
+    """Decode to a PIL RGB image (first frame of an animation, EXIF orientation applied),
+    enforcing `limits`."""
+    from PIL import Image, ImageOps
 
     if not data:
         raise ImageError("image is empty (0 bytes)")
@@ -93,6 +94,8 @@ def decode_rgb(data: bytes, limits: ImageLimits):
                                  f"{limits.max_pixels} pixels (max_image_pixels)")
             img.seek(0)
             img.load()
+            # Camera photos store their orientation in EXIF; transformers' load_image and mlx-vlm apply it too.
+            img = ImageOps.exif_transpose(img)
             return _to_rgb(img)
     except ImageError:
         raise

@@ -34,7 +34,7 @@ def is_vision_key(key: str) -> bool:
     return key.startswith(TOWER_PREFIXES)
 
 
-def _conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
+def conv_to_mlx(w: mx.array, in_channels: int) -> mx.array:
     """PyTorch Conv3d [out, C, t, p, p] -> MLX [out, t, p, p, C]; MLX layout passes through."""
     if w.ndim == 5 and w.shape[1] == in_channels and w.shape[-1] != in_channels:
         return w.transpose(0, 2, 3, 4, 1)
@@ -66,7 +66,7 @@ def tower_weights(weights: Dict[str, mx.array], prefix: str, c: TowerConfig,
             value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
                                   **_quant_params(quantization, key))
         if name == "patch_embed.proj.weight":
-            value = _conv_to_mlx(value, c.in_channels)
+            value = conv_to_mlx(value, c.in_channels)
         out[name] = value
     return out
 
@@ -102,8 +102,12 @@ def load_vision(config: dict, weights: Dict[str, mx.array], model_dir: Path, dty
         return None
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    c = TowerConfig.from_dict(vc)
-    spec = VisionSpec.from_model_dir(config, model_dir)
+    try:
+        c = TowerConfig.from_dict(vc)
+        spec = VisionSpec.from_model_dir(config, model_dir)
+    except (ValueError, TypeError) as e:  # a tower this server cannot run: serve the text model alone
+        log.warning("%s: vision tower not loaded (%s); serving without image input", model_dir, e)
+        return None
     tower = VisionTower(c)
     quantization = config.get("quantization") or config.get("quantization_config")
     tower.load_weights(list(tower_weights(weights, prefix, c, quantization).items()), strict=True)

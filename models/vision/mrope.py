@@ -50,10 +50,9 @@ def mrope_positions(ids: Sequence[int], grids: Sequence[tuple], spec: VisionSpec
 
 
 def _inv_freq(rope: nn.Module) -> mx.array:
-    """The rope module's inverse frequencies (dims/2), as mx.fast.rope would use them."""
-    freqs = getattr(rope, "_freqs", None)  # mlx-lm's scaled variants pass explicit periods
-    if freqs is not None:
-        return 1.0 / freqs.astype(mx.float32)
+    """The rope module's inverse frequencies (dims/2), as mx.fast.rope computes them."""
+    if type(rope) is not nn.RoPE:  # mlx-lm's scaled variants (YaRN, Llama 3, ...) change the frequencies
+        raise ValueError(f"M-RoPE is implemented for the default rotary embedding, not {type(rope).__name__}")
     dims = rope.dims
     return mx.power(mx.array(float(rope.base), mx.float32),
                     -mx.arange(0, dims, 2, dtype=mx.float32) / dims)

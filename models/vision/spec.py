@@ -43,6 +43,9 @@ class VisionSpec:
     def from_config(cls, config: dict, preprocessor: Optional[dict] = None) -> "VisionSpec":
         vc = config["vision_config"]
         pre = preprocessor or {}
+        missing = [k for k in ("vision_start_token_id", "vision_end_token_id") if k not in config]
+        if missing or ("image_token_id" not in config and "image_token_index" not in config):
+            raise ValueError(f"config.json has a vision_config but lacks {', '.join(missing) or 'image_token_id'}")
         text = config.get("text_config", config)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         section = rope.get("mrope_section") or config.get("rope_scaling", {}).get("mrope_section") or [11, 11, 10]
@@ -50,7 +53,7 @@ class VisionSpec:
         min_pixels = pre.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or DEFAULT_MIN_PIXELS
         max_pixels = pre.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or DEFAULT_MAX_PIXELS
         return cls(
-            image_token_id=int(config["image_token_id"]),
+            image_token_id=int(config.get("image_token_id", config.get("image_token_index"))),
             vision_start_token_id=int(config["vision_start_token_id"]),
             vision_end_token_id=int(config["vision_end_token_id"]),
             patch_size=int(vc.get("patch_size", pre.get("patch_size", 16))),

@@ -27,6 +27,7 @@ class TowerConfig:
     spatial_merge_size: int = 2
     in_channels: int = 3
     num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"  # the blocks' MLP (the merger always uses exact GELU)
 
     @classmethod
     def from_dict(cls, vc: dict) -> "TowerConfig":
@@ -34,7 +35,15 @@ class TowerConfig:
         deep = vc.get("deepstack_visual_indexes") or []
         if deep:
             raise ValueError(f"deepstack vision towers are not supported (deepstack_visual_indexes={deep})")
-        return cls(**{k: int(v) for k, v in vc.items() if k in names})
+        act = vc.get("hidden_act", cls.hidden_act)
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision_config.hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        return cls(**{k: int(v) for k, v in vc.items() if k in names and k != "hidden_act"}, hidden_act=act)
+
+
+# transformers' ACT2FN names -> MLX
+ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx, "gelu_fast": nn.gelu_approx,
+               "gelu": nn.gelu, "quick_gelu": nn.gelu_fast_approx, "silu": nn.silu}
 
 
 class PatchEmbed(nn.Module):
@@ -49,6 +58,9 @@ class PatchEmbed(nn.Module):
         # [N, C*t*p*p] (channel-major, as the processor flattens) -> NDHWC for MLX's conv.
         x = x.reshape(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size).moveaxis(1, 4)
         return self.proj(x).reshape(-1, c.hidden_size)
+
+
+SCORE_BUDGET = 512 * 2**20  # bytes of fp32 attention scores per block of query rows
 
 
 def _rotate_half(x: mx.array) -> mx.array:
@@ -69,18 +81,33 @@ class Attention(nn.Module):
         q, k, v = mx.split(self.qkv(x).reshape(n, 3, self.num_heads, -1).transpose(1, 2, 0, 3), 3)
         q = q * cos + _rotate_half(q) * sin   # [1, heads, n, head_dim]
         k = k * cos + _rotate_half(k) * sin
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        out = self._attend(q, k, v)
         return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Full attention over the image's patches; a large image (Qwen3.5 allows 16 Mpx: ~65k
+        patches) goes in blocks of query rows, so the score matrix never exceeds SCORE_BUDGET."""
+        n = q.shape[2]
+        rows = max(1, SCORE_BUDGET // (4 * n * self.num_heads))
+        if rows >= n:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        parts = []
+        for i in range(0, n, rows):
+            part = mx.fast.scaled_dot_product_attention(q[:, :, i:i + rows], k, v, scale=self.scale)
+            mx.eval(part)  # one block's scores at a time
+            parts.append(part)
+        return mx.concatenate(parts, axis=2)
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
         self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.act = ACTIVATIONS[act]
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # gelu_pytorch_tanh
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Block(nn.Module):
@@ -89,7 +116,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(c.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=1e-6)
         self.attn = Attention(c.hidden_size, c.num_heads)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
 
     def __call__(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin)

@@ -53,6 +53,7 @@ def _convert(args) -> int:
     from mtp_serve.models.graft import graft
     from mtp_serve.models.mlx_lm_compat import convert
     from mtp_serve.models.mtp_source import open_source
+    from mtp_serve.models.vision.carry import carry_vision
 
     tmp = out.parent / f".{out.name}.mtp-convert-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
@@ -60,11 +61,14 @@ def _convert(args) -> int:
         source = open_source(args.hf_path, args.revision)  # fails early on a source without a head
         convert(args.hf_path, str(tmp), quantize=args.quantize, q_group_size=args.q_group_size, q_bits=args.q_bits,
                 q_mode=args.q_mode, dtype=args.dtype, revision=args.revision, quant_predicate=args.quant_predicate)
+        vision = carry_vision(source, tmp, args.dtype)  # mlx-lm drops the tower; it stays unquantized
         result = graft(source, tmp, quantize_head=args.quantize_head, norms=args.norms)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result.target = out
+    if vision:
+        print(f"mtp-convert: vision tower: {vision} tensors kept unquantized in {out / 'vision.safetensors'}", flush=True)
     return report_and_verify("mtp-convert", result, args)
 
 

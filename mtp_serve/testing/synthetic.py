@@ -32,7 +32,7 @@ MINIMAL_CHAT_TEMPLATE = (
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 
-VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # The minimal template plus Qwen3.5's rendering of image content parts.
 VISION_CHAT_TEMPLATE = (
@@ -248,6 +248,8 @@ def write_synthetic_checkpoint(
     dtype: mx.Dtype = mx.float32,
     words: bool = False,
     vision: bool = False,
+    vision_overrides: Optional[dict] = None,
+    max_image_pixels: int = 128 * 128,
     **text_overrides,
 ) -> Path:
     """Write a random checkpoint of `family` in HF layout with a byte tokenizer
@@ -255,8 +257,10 @@ def write_synthetic_checkpoint(
 
     `vision` (qwen3_5, qwen3_5_moe, qwen3_6_moe): also a tiny vision tower (`model.visual.*`),
     its config (vision_config, image/vision token ids), preprocessor_config.json and a
-    tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> (ids 265, 266, 267) whose chat
-    template renders image content parts as Qwen3.5's does.
+    tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|> (ids 265-268) whose chat
+    template renders image content parts as Qwen3.5's does. `vision_overrides` change the tower's
+    shape (benchmarks: a real model's depth and width); `max_image_pixels` is the processor's
+    resize bound (the default keeps images at most 16 tokens).
 
     `likely_eos` (with `agreeable`): EOS is one of the few likely tokens, so sampled
     replies end after a handful of tokens (agents' end-to-end tests)."""
@@ -275,13 +279,13 @@ def write_synthetic_checkpoint(
         make_agreeable(model, head, family, also_likely=(text["eos_token_id"],) if likely_eos else ())
     weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
     if vision:
-        vc = tiny_vision_config(text["hidden_size"])
+        vc = tiny_vision_config(text["hidden_size"], **(vision_overrides or {}))
         first = 256 + len(QWEN_SPECIAL_TOKENS)
         config.update(vision_config=vc, vision_start_token_id=first, vision_end_token_id=first + 1,
-                      image_token_id=first + 2, video_token_id=first + 2)
+                      image_token_id=first + 2, video_token_id=first + 3)
         weights.update(random_vision_weights(vc, seed=seed + 7))
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "preprocessor_config.json").write_text(json.dumps(tiny_preprocessor_config(vc), indent=2))
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(tiny_preprocessor_config(vc, max_pixels=max_image_pixels), indent=2))
     save_hf_checkpoint(out_dir, weights, config, dtype=dtype, mtp_shard=mtp_shard, max_shard_tensors=max_shard_tensors)
     if words:
         write_word_tokenizer(out_dir, text["vocab_size"])
