@@ -385,27 +385,59 @@ def test_anthropic_sdk_base64_image_and_tool_result(vision_server):
     assert counted.input_tokens - without.input_tokens >= 4  # the image's pads (and its start/end tokens)
 
 
-# ---------------------------------------------------------------- Codex CLI
+# ---------------------------------------------------------------- agents: Codex CLI and Claude Code
 
 
-@pytest.mark.agents
-def test_codex_exec_with_an_image(checkpoint_dir, tmp_path, caplog):
-    """`codex exec -i picture.png`, configured as README says, against a vision checkpoint: the
-    picture reaches the model as image tokens (the request's log line), and Codex gets its answer."""
-    import subprocess
-
-    from test_agents import Codex
+@pytest.fixture(scope="module")
+def agent_server(checkpoint_dir):
+    """The vision checkpoint served as README's agent configurations name it (`demo`)."""
     from test_server_support import LiveServer, ServerConfig
 
     path = checkpoint_dir("qwen3_5", vision=True, agreeable=True, likely_eos=True)
+    with LiveServer(load_with_vision(path), ServerConfig(served_model_name="demo", mtp_depth=2, max_context=32768)) as s:
+        yield s
+
+
+def image_requests(caplog) -> list:
+    return [rec.getMessage() for rec in caplog.records if "image tokens" in rec.getMessage()]
+
+
+@pytest.mark.agents
+def test_codex_exec_with_an_image(agent_server, tmp_path, caplog):
+    """`codex exec "..." -i picture.png`, configured as README says: the picture reaches the
+    model as image tokens (the request's log line), and Codex gets its answer."""
+    import subprocess
+
+    from test_agents import Codex
+
     picture = tmp_path / "picture.png"
     picture.write_bytes(WIDE)
-    with LiveServer(load_with_vision(path), ServerConfig(served_model_name="demo", mtp_depth=2, max_context=32768)) as s:
-        agent = Codex(s, tmp_path)
-        with caplog.at_level(logging.INFO, logger="mtp_serve.server"):
-            r = subprocess.run([agent.bin, "exec", "--skip-git-repo-check", "What is in this picture?", "-i", str(picture)],
-                               cwd=agent.project, env=agent.env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                               timeout=420)
+    agent = Codex(agent_server, tmp_path)
+    with caplog.at_level(logging.INFO, logger="mtp_serve.server"):
+        r = subprocess.run([agent.bin, "exec", "--skip-git-repo-check", "What is in this picture?", "-i", str(picture)],
+                           cwd=agent.project, env=agent.env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    lines = [rec.getMessage() for rec in caplog.records if "image tokens" in rec.getMessage()]
-    assert any("1 image, 12 image tokens" in line for line in lines), caplog.text[-3000:]
+    assert any("1 image, 12 image tokens" in line for line in image_requests(caplog)), caplog.text[-3000:]
+
+
+@pytest.mark.agents
+def test_claude_code_with_an_image(agent_server, tmp_path, caplog):
+    """Claude Code, configured as README says, sends a user turn holding a picture (`-p
+    --input-format stream-json`, as a script or an IDE drives it): it reaches the model as image tokens."""
+    import json
+    import subprocess
+
+    from test_agents import ClaudeCode
+
+    agent = ClaudeCode(agent_server, tmp_path)
+    turn = {"type": "user", "message": {"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(WIDE).decode()}},
+        {"type": "text", "text": "What is in this picture?"}]}}
+    with caplog.at_level(logging.INFO, logger="mtp_serve.server"):
+        r = subprocess.run([agent.bin, "-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"],
+                           input=json.dumps(turn) + "\n", cwd=agent.project, env=agent.env, capture_output=True, text=True,
+                           timeout=420)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["type"] == "result" and not result["is_error"], result
+    assert any("1 image, 12 image tokens" in line for line in image_requests(caplog)), caplog.text[-3000:]
