@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,6 @@ import openai
 import pytest
 
 from mtp_serve.server.images import ImageSettings
-from mtp_serve.testing.launch import free_port
 
 e2e = pytest.mark.e2e  # live servers (conftest.py: test tiers); Codex below is the agents tier
 
@@ -190,6 +190,9 @@ def test_text_only_model_refuses_images(server, api, stream):
     assert "no vision tower" in msg and "content[" in msg, msg
 
 
+CLOSED = socket.socket()  # bound, never listening: connections to its port are refused (and no server takes it)
+CLOSED.bind(("127.0.0.1", 0))
+
 BAD = {  # class: (urls, a needle of the 400's message); `{host}` is the loopback image host
     "undecodable": ([data_url(b"this is not a picture at all")], "decode"),
     "bad base64": (["data:image/png;base64,iVBOR!!w0KGgo="], "base64"),
@@ -202,7 +205,7 @@ BAD = {  # class: (urls, a needle of the 400's message); `{host}` is the loopbac
     "too many pixels": ([data_url(HUGE)], "--max-image-pixels"),
     "too many images": ([data_url(SMALL)] * (LIMITS.max_images + 1), "--max-images"),
     "http 404": (["{host}/missing.png"], "HTTP 404"),
-    "refused": ([f"http://127.0.0.1:{free_port()}/x.png"], "failed"),
+    "refused": ([f"http://127.0.0.1:{CLOSED.getsockname()[1]}/x.png"], "failed"),
     "fetch timeout": (["{host}/slow.png"], "--image-fetch-timeout"),
     "fetch timeouts side by side": (["{host}/slow.png"] * LIMITS.max_images, "--image-fetch-timeout"),  # one timeout, not four
 }
