@@ -1,7 +1,8 @@
 """Anthropic Messages (`POST /v1/messages`, `/v1/messages/count_tokens`): an adapter over
 the internal request model, for Claude Code and the `anthropic` SDKs.
 
-In: system, messages (text, tool_use, tool_result and thinking blocks), tools,
+In: system, messages (text, image, tool_use, tool_result and thinking blocks; images in user
+turns and inside tool_result content), tools,
 tool_choice, stop_sequences, sampling, thinking. Out: content blocks (thinking,
 text, tool_use), stop_reason, usage (`input_tokens` excludes the prompt tokens
 read from the prompt cache, reported as `cache_read_input_tokens`, as Anthropic
@@ -28,7 +29,8 @@ from mtp_serve.server.schemas import STRICT, SamplingFields
 from mtp_serve.server.models_registry import service_for
 from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
-from mtp_serve.server.translate import Block, BlockEvent, Blocks, flatten_text, function_tool, unsupported
+from mtp_serve.server.images import image_ref
+from mtp_serve.server.translate import Block, BlockEvent, Blocks, flatten_text, function_tool, joined, unsupported
 
 router = APIRouter()
 
@@ -123,20 +125,23 @@ def template_messages(req: CountTokensRequest) -> List[dict]:
             out.append({"role": "system", "content": system_text(m.content, param)})
             continue
         if m.role == "user":
-            texts = []
+            contents = []  # text and image blocks, in order
             for j, b in enumerate(_blocks(m.content)):
                 where, kind = f"messages[{i}].content[{j}]", b.get("type")
                 if kind == "text":
-                    texts.append(_text(b, where, param))
-                elif kind == "tool_result":
+                    contents.append(_text(b, where, param))
+                elif kind == "image":
+                    contents.append([{"type": "image", "image": image_ref(b, where, param)}])
+                elif kind == "tool_result":  # text and images (Claude Code's Read of a screenshot)
                     if not isinstance(b.get("tool_use_id"), str):
                         raise bad_request(f"{where}: a tool_result block needs 'tool_use_id'", param)
                     out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                                "content": flatten_text(b.get("content", ""), f"{where}.content", param, kinds=("text",), sep="\n")})
+                                "content": flatten_text(b.get("content", ""), f"{where}.content", param, kinds=("text",),
+                                                        sep="\n", images=True)})
                 else:
                     raise unsupported(kind, where, param)
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+            if contents:
+                out.append({"role": "user", "content": joined(contents, "\n")})
             continue
         msg: Dict[str, Any] = {"role": "assistant", "content": ""}
         texts, reasoning, calls = [], [], []

@@ -23,6 +23,12 @@ tokens stay as they are. The rendered text is then split at the template's
 special tokens (as the tokenizer itself does) and each piece between them is
 tokenized with the markers turned back into their text and special tokens read
 as text, so client text gets exactly the ids ordinary text would.
+
+Images: each API's image parts arrive as {"type": "image", "image": ImageRef}
+(translate.flatten_text); `render` resolves them (images.py: fetched, decoded,
+resized), hands the template HF's {"type": "image"} items, and after tokenizing
+expands the template's one `<|image_pad|>` per image to the image's n_tokens
+pads, in order (`ChatPrompt.images`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from mtp_serve.engine.memory import trim_heap
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 from mtp_serve.server import constraints
 from mtp_serve.server.errors import bad_request
+from mtp_serve.server.images import ImageRef, ImageSettings, resolve
 from mtp_serve.server.parsers import (
     OutputParser,
     ReasoningParser,
@@ -50,6 +57,7 @@ from mtp_serve.server.parsers import (
     prompt_opens_reasoning,
 )
 from mtp_serve.server.schemas import ChatMessage
+from mtp_serve.server.translate import flatten_text
 
 TURN_START = "<|im_start|>"  # ChatML, as every Qwen template uses
 
@@ -63,11 +71,16 @@ class ChatPrompt:
     tool_parser: str  # parser for this request's output ("none" when not parsing tools)
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
+    images: tuple = ()  # PreparedImage per image, in prompt order; each fills n_tokens image-pad tokens of `ids`
 
     @classmethod
     def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = ()) -> "ChatPrompt":
         """A prompt given as text or ids (/v1/completions): the output is not parsed."""
         return cls("", ids, constraint, False, "none", None, checkpoints)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(image.n_tokens for image in self.images)
 
 
 # Tokenizing a few MB leaves hundreds of MB freed but held by the C heap (tokenizers'
@@ -149,8 +162,11 @@ class ChatFormat:
 
     def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto",
                  reasoning_parser: str = "auto", special_tokens_in_content: bool = False,
-                 check_constraint: Callable[[Constraint], None] = lambda c: None):
+                 check_constraint: Callable[[Constraint], None] = lambda c: None, vision=None,
+                 image_settings: ImageSettings = ImageSettings()):
         self.tokenizer = hf_tokenizer(tokenizer)
+        self.vision = vision  # the model's vision tower (models/vision.Vision), None for a text-only model
+        self.image_settings = image_settings
         self.encoder = PromptEncoder(self.tokenizer, allow_special_in_content=special_tokens_in_content)
         self.added_tokens = set(self.tokenizer.get_added_vocab())
         self.check_constraint = check_constraint  # compiles it: a 400 naming the problem
@@ -207,6 +223,8 @@ class ChatFormat:
         parser = self.tool_parser if (tools and choice != "none") else "none"
         if parser == "none" and choice not in ("none", "auto"):
             raise bad_request("tool_choice 'required' or a named function needs a tool-call format; this server runs with --tool-call-parser none", "tool_choice")
+        messages, refs = image_parts(messages)
+        images = resolve(refs, self.vision, self.image_settings)  # fetched, decoded, resized: a 400 for a bad one
         (escaped, escaped_tools), markers = self.encoder.escape([one_system_message(messages), tools])
         try:
             text = self.tokenizer.apply_chat_template(
@@ -229,12 +247,40 @@ class ChatFormat:
                 raise bad_request(f"tool_choice names function {tool_name!r}, which is not in tools", "tool_choice")
             forced = constraints.tool_calls(parser, tools, tool_name, parallel_tool_calls, self.added_tokens, schema_mode)
         ids = self.encoder.encode(text, markers)
+        if images or self.vision is not None:
+            ids = self.expand_images(ids, images, messages_param)
         for marker, token in markers.items():
             text = text.replace(marker, token)
-        prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids))
+        prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids), images)
         if prompt.constraint is not None:
             self.check_constraint(self.engine_constraint(prompt))
         return prompt
+
+    def expand_images(self, ids: List[int], images: tuple, param: str) -> List[int]:
+        """The template writes one image-pad token per image; each becomes the image's
+        n_tokens pads, in order. A count that does not match (a template that does not render
+        image parts, pad tokens in client text read as special) is a 400."""
+        pad = self.vision.spec.image_token_id
+        found = ids.count(pad)
+        if found != len(images):
+            raise bad_request(f"the chat template rendered {found} image placeholders for {len(images)} images "
+                              "(does it render image content parts?)", param)
+        if not images:
+            return ids
+        out: List[int] = []
+        it = iter(images)
+        for t in ids:
+            if t == pad:
+                out += [pad] * next(it).n_tokens
+            else:
+                out.append(t)
+        return out
+
+    def refuse_image_pads(self, ids: List[int], param: str) -> None:
+        """A raw prompt (/v1/completions) cannot carry images: its image-pad tokens would have none."""
+        if self.vision is not None and self.vision.spec.image_token_id in ids:
+            raise bad_request("the prompt has image placeholder tokens but a raw prompt cannot carry images; send "
+                              "images as content parts to /v1/chat/completions, /v1/messages or /v1/responses", param)
 
     def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
         """What the engine enforces from the first output token: reasoning stays free. The same
@@ -272,8 +318,28 @@ def one_system_message(messages: List[dict]) -> List[dict]:
     return [{"role": "system", "content": text}] + [m for m in messages if m.get("role") != "system"]
 
 
+def image_parts(messages: List[dict]) -> Tuple[List[dict], List[ImageRef]]:
+    """Messages whose content parts hold images ({"type": "image", "image": ImageRef}, from
+    translate.flatten_text) as the template reads them (HF's {"type": "image"}), and the refs
+    in message order: the order the template writes their placeholders."""
+    refs: List[ImageRef] = []
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image":
+                    refs.append(p["image"])
+                    p = {"type": "image"}
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, refs
+
+
 def template_messages(messages: List[ChatMessage]) -> List[dict]:
-    """OpenAI messages -> what chat templates expect (text content, dict arguments)."""
+    """OpenAI messages -> what chat templates expect (text content, image parts, dict arguments)."""
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
@@ -281,14 +347,8 @@ def template_messages(messages: List[ChatMessage]) -> List[dict]:
             d["role"] = "system"
         content = d.get("content")
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                else:
-                    raise bad_request(f"messages[{i}]: content part of type {kind!r} is not supported (text only)", f"messages.{i}.content")
-            d["content"] = "".join(parts)
+            d["content"] = flatten_text(content, f"messages[{i}].content", f"messages.{i}.content", kinds=("text", "input_text"),
+                                        images=d["role"] in ("user", "tool"))
         elif content is None:
             d["content"] = ""
         for call in d.get("tool_calls", []) or []:

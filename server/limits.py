@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtp_serve.server.errors import APIError, bad_request, error_response_body
+from mtp_serve.server.images import IMAGE_PARTS
 
 MESSAGE_KEYS = ("messages", "input")  # chat and Anthropic messages; Responses input items
 STOP_KEYS = ("stop", "stop_sequences")
@@ -73,6 +74,8 @@ def scan_body(body: Any, limits: Limits) -> Scan:
                 where = _param(path, top_only=True) or "body"
                 raise bad_request(f"{where}: JSON nested deeper than {limits.max_json_depth} levels (--max-json-depth)", where)
             items = value.items() if isinstance(value, dict) else enumerate(value)
+            if prompt and isinstance(value, dict) and value.get("type") in IMAGE_PARTS:
+                prompt = False  # an image's data is not prompt text (its tokens are counted once it is prepared)
             for key, item in items:
                 if isinstance(key, str):
                     _check_text(key, path)

@@ -37,7 +37,7 @@ def usage(u: Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.output_tokens,
         "total_tokens": u.prompt_tokens + u.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "image_tokens": u.image_tokens},
         "speculative": u.speculative,
         **u.note,
     }
@@ -234,6 +234,7 @@ async def completions(req: CompletionRequest, request: Request):
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     ids = await svc.run_cpu(completion_prompt_ids, svc.chat.encoder, req.prompt, svc.loaded.model.vocab_size)
+    svc.chat.refuse_image_pads(ids, "prompt")
     constraint = constraints.requested(req, schema_mode(svc, req))
     if constraint is not None:
         await svc.run_cpu(svc.check_constraint, constraint)

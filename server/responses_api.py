@@ -2,10 +2,10 @@
 for Codex CLI and `client.responses.create`.
 
 In: input (a string or items: messages, function_call, function_call_output,
-reasoning), instructions, function tools, tool_choice, max_output_tokens,
+reasoning; input_image parts in user messages and function call outputs), instructions, function tools, tool_choice, max_output_tokens,
 sampling, reasoning effort (the template's thinking switch), previous_response_id.
 Out: output items (reasoning, message with output_text, function_call), usage
-with `input_tokens_details.cached_tokens` and the MTP figures as
+with `input_tokens_details.cached_tokens` (and `image_tokens`) and the MTP figures as
 `usage.speculative`. Streams send the documented events, each with its
 `sequence_number`; an engine failure ends a stream with `response.failed`.
 
@@ -185,11 +185,11 @@ def input_messages(items: Union[str, List[Dict[str, Any]]], history: List[dict] 
                               "function_call_output, reasoning)", f"{param}.type")
         item = validated(ITEMS[kind], raw, param)
         if kind == "message":
-            text = flatten_text(item.content, f"input[{i}].content", f"{param}.content")
+            content = flatten_text(item.content, f"input[{i}].content", f"{param}.content", images=item.role == "user")
             if item.role == "assistant":
-                _assistant(out)["content"] += text
+                _assistant(out)["content"] += content
             else:
-                out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": content})
         elif kind == "function_call":
             try:
                 args = json.loads(item.arguments or "{}")
@@ -203,7 +203,7 @@ def input_messages(items: Union[str, List[Dict[str, Any]]], history: List[dict] 
                 raise bad_request(f"input[{i}]: no tool call found for function call output with call_id {item.call_id!r}",
                                   f"{param}.call_id")
             out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": flatten_text(item.output, f"input[{i}].output", f"{param}.output")})
+                        "content": flatten_text(item.output, f"input[{i}].output", f"{param}.output", images=True)})
         else:
             texts = [c.text for c in item.content or ()] or [s.text for s in item.summary]
             a = _assistant(out)
@@ -303,7 +303,7 @@ def output_items(parsed: ParsedOutput, namespaces: Dict[str, str]) -> List[dict]
 
 
 def usage(svc: Service, u: Usage, reasoning: str) -> dict:
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens, "image_tokens": u.image_tokens},
             "output_tokens": u.output_tokens,
             "output_tokens_details": {"reasoning_tokens": len(svc.encode(reasoning)) if reasoning else 0},
             "total_tokens": u.prompt_tokens + u.output_tokens, "speculative": u.speculative, **u.note}

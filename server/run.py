@@ -63,12 +63,13 @@ class Usage:
     output_tokens: int
     speculative: dict  # the MTP figures (SPECULATIVE_KEYS), an extra field of every API's usage
     note: dict  # {"max_tokens_lowered": {"requested", "granted"}} when the budget was lowered, else {}
+    image_tokens: int = 0  # prompt tokens that are image embeddings (part of prompt_tokens)
 
     @classmethod
-    def of(cls, stats, n_prompt: int, note: Optional[dict] = None) -> "Usage":
+    def of(cls, stats, n_prompt: int, note: Optional[dict] = None, image_tokens: int = 0) -> "Usage":
         s = stats.as_dict() if stats is not None else {}
         return cls(n_prompt, stats.cached_tokens if stats is not None else 0, stats.generated_tokens if stats is not None else 0,
-                   {k: s.get(k) for k in SPECULATIVE_KEYS}, note or {})
+                   {k: s.get(k) for k in SPECULATIVE_KEYS}, note or {}, image_tokens)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Run:
     depth: int  # MTP drafts per round
     options: Options
     request: object  # the starlette Request: its scope (metrics) and disconnects
-    submit: Callable[[List[int], SamplingParams, int, tuple], RequestHandle]  # Service.submit_ids
+    submit: Callable[..., RequestHandle]  # Service.submit_ids(ids, params, depth, checkpoints, images=...)
     new_parser: Callable[[ChatPrompt], OutputParser]
     encode: Callable[[str], List[int]]
     metrics: object
@@ -135,7 +136,7 @@ class Run:
 
     def __post_init__(self):
         first = replace(self.params, max_tokens=self.options.reasoning_budget) if self._budget_applies else self.params
-        self.handle = self.submit(self.prompt.ids, first, self.depth, self.prompt.checkpoints)
+        self.handle = self.submit(self.prompt.ids, first, self.depth, self.prompt.checkpoints, images=self.prompt.images)
 
     @property
     def _budget_applies(self) -> bool:
@@ -149,7 +150,7 @@ class Run:
         return {"max_tokens_lowered": {"requested": self.lowered_from, "granted": self.params.max_tokens}}
 
     def usage(self, stats) -> Usage:
-        return Usage.of(stats, len(self.prompt.ids), self.note)
+        return Usage.of(stats, len(self.prompt.ids), self.note, self.prompt.image_tokens)
 
     # -- the engine's chunks
 
@@ -186,7 +187,7 @@ class Run:
             try:
                 # The reasoning is closed: an output constraint applies from the first token on.
                 params = replace(self.params, max_tokens=left, constraint=self.prompt.constraint)
-                self.handle = self.submit(self.prompt.ids + self.token_ids, params, self.depth, ())
+                self.handle = self.submit(self.prompt.ids + self.token_ids, params, self.depth, (), images=self.prompt.images)
             except APIError as e:  # queue full or engine stopped, mid-response: the engine failed this request
                 raise EngineError(e.message) from e
             async for chunk in self.handle:
@@ -217,9 +218,11 @@ class Run:
         """Per-request totals: metrics and one log line."""
         st = chunk.stats
         self.metrics.finished(st)
-        log.info("request %d: %d prompt tokens (%d cached), %d generated, finish %s, MTP depth %d acceptance %.2f",
-                 self.handle.id, st.prompt_tokens, st.cached_tokens, st.generated_tokens, chunk.finish_reason, st.depth,
-                 st.acceptance_rate)
+        images = self.prompt.images
+        log.info("request %d: %d prompt tokens (%d cached%s), %d generated, finish %s, MTP depth %d acceptance %.2f",
+                 self.handle.id, st.prompt_tokens, st.cached_tokens,
+                 f"; {len(images)} image{'s' if len(images) > 1 else ''}, {self.prompt.image_tokens} image tokens" if images else "",
+                 st.generated_tokens, chunk.finish_reason, st.depth, st.acceptance_rate)
 
     # -- parsed output
 

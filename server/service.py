@@ -25,6 +25,7 @@ from mtp_serve.models.caches import KVSetting
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 from mtp_serve.server.chat import ChatFormat, ChatPrompt
 from mtp_serve.server.errors import bad_request, engine_refusals
+from mtp_serve.server.images import ImageSettings
 from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
 from mtp_serve.server.run import Options, Run
@@ -64,6 +65,7 @@ class ServerConfig:
     tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
     warm_up: bool = False  # before serving: requests through the engine (server/warmup.py); mtp-serve turns it on
     json_schema_mode: str = "relaxed"  # --json-schema-mode: "strict" refuses what the grammar cannot enforce (schema_relax.py)
+    images: ImageSettings = field(default_factory=ImageSettings)  # --max-images, --max-image-bytes, ... (images.py)
 
 
 def model_max_context(config: dict) -> int:
@@ -107,7 +109,8 @@ class Service:
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,
-                               check_constraint=self.check_constraint)
+                               check_constraint=self.check_constraint, vision=getattr(loaded.model, "vision", None),
+                               image_settings=config.images)
         self.metrics = Metrics(self.engine)
         # Prompts are checked, rendered and tokenized off the event loop, on a few threads
         # (tokenizers releases the GIL), so one huge request cannot hold up the others.
@@ -195,9 +198,10 @@ class Service:
                    started=getattr(request.state, "started", None) or time.perf_counter(),
                    lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
 
-    def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = ()) -> RequestHandle:
+    def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = (), images: tuple = ()) -> RequestHandle:
+        """`images`: the prompt's PreparedImages, in order (their pad tokens are in `ids`)."""
         with engine_refusals():
-            return self.engine.submit(ids, params, depth, checkpoints)
+            return self.engine.submit(ids, params, depth, checkpoints, images=images)
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -18,6 +18,7 @@ from pathlib import Path
 from mtp_serve import BACKEND
 from mtp_serve.cli import ranks
 from mtp_serve.cli.common import OneLineParser, byte_size, fail
+from mtp_serve.server.images import ImageSettings
 from mtp_serve.server.limits import Limits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -90,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tools", type=int, default=limits.max_tools, help="tools per request")
     p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="deepest JSON nesting in a request")
     p.add_argument("--max-stop", type=int, default=limits.max_stop, help="stop sequences per request")
+    images = ImageSettings()
+    p.add_argument("--max-images", type=int, default=images.max_images, help="images per request, all turns together (then 400)")
+    p.add_argument("--max-image-bytes", type=byte_size, default=images.max_image_bytes, metavar="SIZE",
+                   help="encoded bytes per image, base64 decoded or fetched (default 20M; then 400)")
+    p.add_argument("--max-image-pixels", type=int, default=images.max_image_pixels, metavar="N",
+                   help="decoded width x height per image, before resizing to the model's bounds (then 400)")
+    p.add_argument("--image-fetch-timeout", type=float, default=images.fetch_timeout, metavar="SECONDS",
+                   help="time to fetch one http(s) image URL, all of it (then 400)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ranks.add_arguments(p)
     return p
@@ -214,6 +223,8 @@ def main(argv=None) -> int:
         sampling_defaults=generation_defaults(loaded.path),
         limits=Limits(max_request_bytes=args.max_request_bytes, max_messages=args.max_messages, max_tools=args.max_tools,
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
+        images=ImageSettings(max_images=args.max_images, max_image_bytes=args.max_image_bytes,
+                             max_image_pixels=args.max_image_pixels, fetch_timeout=args.image_fetch_timeout),
         default_max_tokens=args.default_max_tokens,
         max_tokens_over_context=args.max_tokens_over_context,
         special_tokens_in_content=args.allow_special_tokens_in_content,
