@@ -109,15 +109,6 @@ def load_with_vision(path):
     from mtp_serve.models.loader import load_model
 
     loaded = load_model(str(path))
-    if getattr(loaded.model, "vision", None) is None:  # a loader that drops the tower: loaded here (issue 25 in progress)
-        import json
-
-        import mlx.core as mx
-
-        from mtp_serve.models.vision import load_vision
-
-        weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
-        loaded.model.vision = load_vision(json.loads((path / "config.json").read_text()), weights, path, mx.float32)
     assert loaded.model.vision is not None, "the synthetic vision checkpoint loaded without its vision tower"
     return loaded
 
