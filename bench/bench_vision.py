@@ -313,9 +313,9 @@ def run_row(name: str, args) -> dict:
             turn[kind][key].append(v)
         print(f"[{name}] turn 2 {kind}: {len(turn2)} tokens, first token {ttft:.2f}s, {vision.encoded} image "
               f"encode(s), {stats.cached_tokens} tokens from the prompt cache", flush=True)
-    turn = {k: best(v, "ttft_s") for k, v in turn.items()}
-    if turn["warm"]["encodes"] != 0:
+    if any(turn["warm"]["encodes"]):
         raise RuntimeError(f"{name}: the second turn encoded the image again although the prompt cache held it")
+    turn = {k: best(v, "ttft_s") for k, v in turn.items()}
     out["turn2"] = dict(tokens=len(turn2), **turn)
     out["decode"] = dict(tokens=tokens, prompt_tokens=len(prompt_img), **decode)
     out["seconds"] = pc() - t0
