@@ -94,6 +94,29 @@ def causal_attention(
     return mx.concatenate(heads, axis=1).reshape(B, H, L, D)
 
 
+def full_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """softmax(scale q k^T) v without a mask (a vision tower's attention over an image's
+    patches), in the same blocks and streams as `causal_attention`. q, k, v [B, H, L, D]."""
+    B, H, L, D = q.shape
+    rows = block_rows(B, L)
+    qt = (q * scale).swapaxes(-1, -2)  # [B, H, D, L]: scores [keys, queries], see causal_attention
+    blocks = [(h, a) for a in range(0, L, rows) for h in range(H)]
+    streams = _streams(len(blocks))
+    outs = {}
+    mx.eval(qt, k, v)
+    with blas_threads(1):
+        for w in range(0, len(blocks), len(streams)):
+            wave = blocks[w : w + len(streams)]
+            for (h, a), stream in zip(wave, streams):
+                with mx.stream(stream):
+                    s = k[:, h : h + 1] @ qt[:, h : h + 1, :, a : a + rows]  # [B, 1, L, n]
+                    e = exp_shifted.anyshape(s, s.max(-2, keepdims=True))
+                    outs[h, a] = (e.swapaxes(-1, -2) @ v[:, h : h + 1]) / e.sum(-2)[..., None]
+            mx.eval([outs[b] for b in wave])
+    heads = [mx.concatenate([outs[h, a] for a in range(0, L, rows)], axis=2) for h in range(H)]
+    return mx.concatenate(heads, axis=1)
+
+
 def _block(qt: mx.array, k: mx.array, v: mx.array, start: int, a: int, n: int, rows: int) -> mx.array:
     """Queries [a, a+n) of one key head (qt [B, 1, D, r, L], k, v [B, 1, S, D]; the
     first query at position `start`): returns [B, 1, r, n, D]."""

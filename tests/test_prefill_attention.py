@@ -137,3 +137,14 @@ def test_model_forward_uses_prefill_path_and_matches(loaded):
     assert rel_err(logits["new"], logits["ref"]) < RTOL
     for a, b in zip(drafts["new"], drafts["ref"]):
         assert rel_err(a, b) < RTOL
+
+
+def test_full_attention_matches_mlx_attention():
+    """The vision tower's unmasked attention over an image's patches, blockwise on CPU."""
+    from mtp_serve.models.prefill_attention import full_attention
+
+    for n, heads in ((300, 3), (1100, 2)):
+        q, k, v = (mx.random.normal((1, heads, n, 32), key=mx.random.key(i)) for i in range(3))
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5)
+        out = full_attention(q, k, v, 32 ** -0.5)
+        assert out.shape == ref.shape and float(mx.abs(out - ref).max()) < 1e-5

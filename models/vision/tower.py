@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mtp_serve.models.prefill_attention import full_attention
+
 
 @dataclass(frozen=True)
 class TowerConfig:
@@ -89,6 +91,8 @@ class Attention(nn.Module):
         """Full attention over the image's patches; a large image (Qwen3.5 allows 16 Mpx: ~65k
         patches) goes in blocks of query rows, so the score matrix never exceeds SCORE_BUDGET."""
         n = q.shape[2]
+        if mx.default_device() == mx.cpu and q.dtype == mx.float32 and n > 64:
+            return full_attention(q, k, v, self.scale)  # MLX's CPU attention materialises every score
         rows = max(1, SCORE_BUDGET // (4 * n * self.num_heads))
         if rows >= n:
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
