@@ -373,6 +373,37 @@ def tables(rows: list, args) -> None:
                   f"{d['plain_tok_s']:.1f} | {cells} | {ratios} |")
 
 
+def tower_attention(sizes: list) -> None:
+    """The 0.8B tower alone with MLX's attention and with the blockwise CPU attention it uses
+    (alternating, best of 2): the whole encode's time and how far the features move."""
+    import mtp_serve.models.vision.tower as tower_module
+
+    spec = VisionSpec.from_config(dict(QWEN35_IDS, vision_config=QWEN35_08B_TOWER, text_config={
+        "rope_parameters": {"mrope_section": [11, 11, 10], "rope_theta": 1e7, "partial_rotary_factor": 0.25}}))
+    mx.random.seed(0)
+    tower = VisionTower(TowerConfig.from_dict(QWEN35_08B_TOWER))
+    tower.set_dtype(mx.float32)
+    mx.eval(tower.parameters())
+    paths = {"mlx": lambda q, k, v, scale: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+             "blockwise": tower_module.full_attention}
+    print("| image | tokens | MLX attention s | blockwise s | speed-up | max feature difference |\n|---|---|---|---|---|---|")
+    try:
+        for w, h in (size(s) for s in sizes):
+            im = prepare_image(png(w, h), spec)
+            times, outs = {}, {}
+            for name in ["mlx", "blockwise"] * 2:
+                tower_module.full_attention = paths[name]
+                t0 = pc()
+                outs[name] = tower(mx.array(im.pixels), im.grid_thw)
+                mx.eval(outs[name])
+                times[name] = min(times.get(name, 1e9), pc() - t0)
+            diff = float(mx.abs(outs["mlx"] - outs["blockwise"]).max())
+            print(f"| {w}x{h} | {im.n_tokens} | {times['mlx']:.2f} | {times['blockwise']:.2f} | "
+                  f"{times['mlx'] / times['blockwise']:.2f}x | {diff:.1e} |", flush=True)
+    finally:
+        tower_module.full_attention = paths["blockwise"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", default=["demo", "0.8b"], choices=sorted(ROWS))
@@ -389,8 +420,13 @@ def main(argv=None) -> int:
     p.add_argument("--encode-repeats", type=int, default=2)
     p.add_argument("--acceptance", type=float, default=0.8, help="0.8b: the oracle's acceptance")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--tower-attention", nargs="+", metavar="WxH",
+                   help="only: the 0.8B tower's encode with MLX's attention against the blockwise CPU one")
     args = p.parse_args(argv)
     print(BACKEND.note, flush=True)
+    if args.tower_attention:
+        tower_attention(args.tower_attention)
+        return 0
     rows = [run_row(name, args) for name in args.rows]
     tables(rows, args)
     if args.json:
