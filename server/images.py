@@ -16,7 +16,7 @@ import binascii
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
@@ -38,6 +38,15 @@ class ImageSettings:
     max_image_bytes: int = 20 << 20  # --max-image-bytes: encoded bytes per image
     max_image_pixels: int = 16_777_216  # --max-image-pixels: decoded width * height, before resizing
     fetch_timeout: float = 10.0  # --image-fetch-timeout: seconds to fetch one http(s) image, all of it
+    max_image_tokens: int = 0  # --max-image-tokens: resize larger images down to this many tokens (0: the model's bounds)
+
+
+def capped_spec(spec, max_tokens: int):
+    """The checkpoint's VisionSpec with its resize bound lowered to `max_tokens` image tokens
+    (one token covers factor x factor pixels); unchanged for 0 or a bound already below it."""
+    if max_tokens <= 0 or spec.max_pixels <= max_tokens * spec.factor ** 2:
+        return spec
+    return replace(spec, max_pixels=max(spec.min_pixels, max_tokens * spec.factor ** 2))
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +108,7 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
     from mtp_serve.models.vision import ImageError, ImageLimits, prepare_image
 
     limits = ImageLimits(max_pixels=settings.max_image_pixels, max_bytes=settings.max_image_bytes)
+    spec = capped_spec(vision.spec, settings.max_image_tokens)
     # URLs are fetched side by side (a request's images take one fetch time, not one each)
     fetches = {ref: FETCHERS.submit(fetch, ref, settings) for ref in refs if is_http(ref.url)}
     out = []
@@ -110,7 +120,7 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
                 f.cancel()
             raise
         try:
-            out.append(prepare_image(data, vision.spec, limits))
+            out.append(prepare_image(data, spec, limits))
         except ImageError as e:
             raise ref.error(with_flag(str(e))) from e
     return tuple(out)

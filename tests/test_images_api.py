@@ -435,3 +435,20 @@ def test_claude_code_with_an_image(agent_server, tmp_path, caplog):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["type"] == "result" and not result["is_error"], result
     assert any("1 image, 12 image tokens" in line for line in image_requests(caplog)), caplog.text[-3000:]
+
+
+def test_max_image_tokens_resizes_large_images_down(checkpoint_dir):
+    """--max-image-tokens lowers the checkpoint's resize bound: a picture that would take 12
+    tokens takes at most 4, keeping its aspect; smaller ones are untouched."""
+    from mtp_serve.models.vision import VisionSpec, prepare_image
+    from mtp_serve.server.images import capped_spec
+
+    path = checkpoint_dir("qwen3_5", agreeable=True, vision=True)
+    import json
+
+    spec = VisionSpec.from_model_dir(json.loads((path / "config.json").read_text()), path)
+    big = prepare_image(png(128, 96), spec)
+    small = prepare_image(png(128, 96), capped_spec(spec, 4))
+    assert big.n_tokens == 12 and 1 <= small.n_tokens <= 4
+    assert small.grid_thw[2] >= small.grid_thw[1]  # still wider than tall
+    assert capped_spec(spec, 0) is spec and capped_spec(spec, 1000) is spec
