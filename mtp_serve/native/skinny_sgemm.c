@@ -30,6 +30,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define TGT __attribute__((target("avx2,fma")))
 #define MAX_ROWS 8
@@ -190,6 +191,98 @@ static void skinny(int M, long N, int K, const float *x, int ldx, const float *w
     pthread_mutex_unlock(&call_lock);
 }
 
+/* ------------------------------------------------- small products, any rows
+
+   The products under `skinny_min` (W in cache) with at most SMALL_MAX_ROWS rows:
+   attention's q.k and p.v, the small weights of tiny models, the gates. OpenBLAS
+   gives a row of such a product different bits at 1 row and at 4 (row 0 of a
+   40 x 32 product: 1.7e-6 apart), so a verify window's attention differed from T
+   single steps; with int8 decode numerics that flipped a rounding step of x and
+   then tokens. Here every output element is computed by one fixed sequence of
+   operations that depends on neither M nor the row's place among the others:
+   - B transposed (y = A B^T, B [N, K]): the skinny kernel above, 8 rows of A at a time;
+   - B not transposed (y = A B, B [K, N]): an FMA chain over k in order for each
+     output, 8 outputs of a row per vector (a scalar fmaf rounds as a vector lane,
+     so the tail columns agree too);
+   - A transposed: its row is first copied out contiguous;
+   - alpha / beta other than 1 / 0: out = alpha * s + beta * C, in that order. */
+
+#define SMALL_MAX_ROWS 64
+static int small_on = 1; /* `mtp_skinny_set_small` */
+static long small_calls;
+
+/* One row of A (contiguous, K values) against B [K, N] (row stride ldb): out[0..N). */
+TGT static void row_times_b(int N, int K, const float *a, const float *b, int ldb, float *out) {
+    int n = 0;
+    for (; n + 32 <= N; n += 32) {
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+        for (int k = 0; k < K; k++) {
+            const float *bk = b + (size_t)k * ldb + n;
+            __m256 av = _mm256_set1_ps(a[k]);
+            c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk), c0);
+            c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 8), c1);
+            c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 16), c2);
+            c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 24), c3);
+        }
+        _mm256_storeu_ps(out + n, c0);
+        _mm256_storeu_ps(out + n + 8, c1);
+        _mm256_storeu_ps(out + n + 16, c2);
+        _mm256_storeu_ps(out + n + 24, c3);
+    }
+    for (; n + 8 <= N; n += 8) {
+        __m256 c0 = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) c0 = _mm256_fmadd_ps(_mm256_set1_ps(a[k]), _mm256_loadu_ps(b + (size_t)k * ldb + n), c0);
+        _mm256_storeu_ps(out + n, c0);
+    }
+    for (; n < N; n++) {
+        float c = 0.0f;
+        for (int k = 0; k < K; k++) c = __builtin_fmaf(a[k], b[(size_t)k * ldb + n], c);
+        out[n] = c;
+    }
+}
+
+TGT static void small_product(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                              const float *B, int ldb, float beta, float *C, int ldc) {
+    float stack_row[1024], stack_out[1024];
+    float *row = K <= 1024 ? stack_row : malloc(sizeof(float) * (size_t)K);
+    float *tmp = N <= 1024 ? stack_out : malloc(sizeof(float) * (size_t)N);
+    const int direct = alpha == 1.0f && beta == 0.0f;
+    if (direct && trans_a == NO_TRANS && trans_b == TRANS && K >= 8) { /* the common case: 8 rows share B's loads */
+        for (int m = 0; m < M; m += MAX_ROWS) {
+            int rows = M - m < MAX_ROWS ? M - m : MAX_ROWS;
+            span(rows, 0, N, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc);
+        }
+        M = 0; /* done */
+    }
+    for (int m = 0; m < M; m++) {
+        const float *a = A + (size_t)m * lda;
+        if (trans_a == TRANS) {
+            for (int k = 0; k < K; k++) row[k] = A[(size_t)k * lda + m];
+            a = row;
+        }
+        float *out = direct ? C + (size_t)m * ldc : tmp;
+        if (trans_b == TRANS) {
+            if (K >= 8) {
+                span(1, 0, N, K, a, K, B, ldb, out, N);
+            } else {
+                for (int n = 0; n < N; n++) {
+                    float s = 0.0f;
+                    for (int k = 0; k < K; k++) s += a[k] * B[(size_t)n * ldb + k];
+                    out[n] = s;
+                }
+            }
+        } else {
+            row_times_b(N, K, a, B, ldb, out);
+        }
+        if (!direct) {
+            float *c = C + (size_t)m * ldc;
+            for (int n = 0; n < N; n++) c[n] = beta == 0.0f ? alpha * tmp[n] : alpha * tmp[n] + beta * c[n];
+        }
+    }
+    if (row != stack_row) free(row);
+    if (tmp != stack_out) free(tmp);
+}
+
 /* ------------------------------------------------------------- interface */
 
 int mtp_skinny_supported(void) {
@@ -207,6 +300,12 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
         skinny(M, N, K, A, lda, B, ldb, C, ldc);
         return;
     }
+    if (supported && small_on && order == ROW_MAJOR && M >= 1 && M <= SMALL_MAX_ROWS && (long)N * K < skinny_min &&
+        (trans_a == NO_TRANS || trans_a == TRANS) && (trans_b == NO_TRANS || trans_b == TRANS) && N <= 1024 * 1024) {
+        __atomic_add_fetch(&small_calls, 1, __ATOMIC_RELAXED);
+        small_product(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
     if (fallback == NULL) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* no OpenBLAS attached */
     fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
@@ -222,3 +321,9 @@ void mtp_skinny_set_threads(int n) {
 void mtp_skinny_set_min(long elements) { skinny_min = elements; }
 
 long mtp_skinny_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
+
+void mtp_skinny_set_small(int on) { small_on = on; }
+
+int mtp_skinny_small_on(void) { return small_on; }
+
+long mtp_skinny_small_calls(void) { return __atomic_load_n(&small_calls, __ATOMIC_RELAXED); }
