@@ -164,8 +164,16 @@ def status() -> str:
     """One line for start-up logs (loads the extension if not tried yet)."""
     load()
     if _EXT is not None:  # the numerics may have been set after loading
-        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics"
+        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics" + _why_numerics()
     return _STATUS or ""
+
+
+def _why_numerics() -> str:
+    if _numerics is not None or os.environ.get("MTP_SERVE_QUANTIZED_MATMUL"):
+        return ""
+    if default_numerics() == "int8":
+        return " (the default: the other decode products are row-invariant, so greedy MTP = plain)"
+    return " (the default here: OpenBLAS computes the small products, int8 would let MTP leave plain's tokens)"
 
 
 def numerics() -> str:

@@ -84,8 +84,8 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_set_min.argtypes = [ctypes.c_long]
     lib.mtp_skinny_calls.restype = ctypes.c_long
     lib.mtp_skinny_small_calls.restype = ctypes.c_long
-    lib.mtp_skinny_set_small.argtypes = [ctypes.c_int]
-    lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1")
+    lib.mtp_skinny_set_small.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1", DEFAULT_MIN_ELEMENTS)
     lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
     lib.mtp_skinny_set_threads(int(user_threads) if user_threads.isdigit() else os.cpu_count() or 1)
@@ -130,11 +130,11 @@ def calls() -> int:
 
 
 def set_row_invariant(on: bool) -> None:
-    """On (the default): products of at most 64 rows whose W is under the skinny threshold
+    """On (the default): products of at most 64 rows whose W is under 4 MB (the skinny threshold)
     (attention's q.k and p.v, small weights) run on the shim's row-invariant kernel, which gives
     a row the same bits whatever the rows beside it; off: OpenBLAS computes them."""
     if _LIB is not None:
-        _LIB.mtp_skinny_set_small(int(on))
+        _LIB.mtp_skinny_set_small(int(on), DEFAULT_MIN_ELEMENTS)
 
 
 def row_invariant() -> bool:

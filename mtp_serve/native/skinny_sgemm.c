@@ -193,7 +193,8 @@ static void skinny(int M, long N, int K, const float *x, int ldx, const float *w
 
 /* ------------------------------------------------- small products, any rows
 
-   The products under `skinny_min` (W in cache) with at most SMALL_MAX_ROWS rows:
+   The products under `small_max` (W in cache, 4 MB) with at most SMALL_MAX_ROWS rows,
+   that the kernel above did not take:
    attention's q.k and p.v, the small weights of tiny models, the gates. OpenBLAS
    gives a row of such a product different bits at 1 row and at 4 (row 0 of a
    40 x 32 product: 1.7e-6 apart), so a verify window's attention differed from T
@@ -209,6 +210,8 @@ static void skinny(int M, long N, int K, const float *x, int ldx, const float *w
 
 #define SMALL_MAX_ROWS 64
 static int small_on = 1; /* `mtp_skinny_set_small` */
+static long small_max = 1L << 20; /* elements of W below which products go here (`mtp_skinny_set_small`), whatever
+                                     `skinny_min` is: calibration may hand the large ones back to OpenBLAS */
 static long small_calls;
 
 /* One row of A (contiguous, K values) against B [K, N] (row stride ldb): out[0..N). */
@@ -241,6 +244,31 @@ TGT static void row_times_b(int N, int K, const float *a, const float *b, int ld
     }
 }
 
+/* Four rows of A at once (a[r], contiguous) against B [K, N]: each load of B serves the four
+   rows; every output is still the same FMA chain over k in order as in row_times_b. */
+TGT static void rows4_times_b(int N, int K, const float *const a[4], const float *b, int ldb, float *const out[4]) {
+    int n = 0;
+    for (; n + 16 <= N; n += 16) {
+        __m256 c[4][2];
+        for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            const float *bk = b + (size_t)k * ldb + n;
+            __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+            for (int r = 0; r < 4; r++) {
+                __m256 av = _mm256_set1_ps(a[r][k]);
+                c[r][0] = _mm256_fmadd_ps(av, b0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(av, b1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            _mm256_storeu_ps(out[r] + n, c[r][0]);
+            _mm256_storeu_ps(out[r] + n + 8, c[r][1]);
+        }
+    }
+    if (n < N)
+        for (int r = 0; r < 4; r++) row_times_b(N - n, K, a[r], b + n, ldb, out[r] + n);
+}
+
 TGT static void small_product(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
                               const float *B, int ldb, float beta, float *C, int ldc) {
     float stack_row[1024], stack_out[1024];
@@ -252,6 +280,18 @@ TGT static void small_product(int trans_a, int trans_b, int M, int N, int K, flo
             int rows = M - m < MAX_ROWS ? M - m : MAX_ROWS;
             span(rows, 0, N, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc);
         }
+        M = 0; /* done */
+    }
+    if (direct && trans_a == NO_TRANS && trans_b == NO_TRANS) {
+        int m = 0;
+        for (; m + 4 <= M; m += 4) {
+            const float *a[4] = {A + (size_t)m * lda, A + (size_t)(m + 1) * lda, A + (size_t)(m + 2) * lda,
+                                 A + (size_t)(m + 3) * lda};
+            float *o[4] = {C + (size_t)m * ldc, C + (size_t)(m + 1) * ldc, C + (size_t)(m + 2) * ldc,
+                           C + (size_t)(m + 3) * ldc};
+            rows4_times_b(N, K, a, B, ldb, o);
+        }
+        for (; m < M; m++) row_times_b(N, K, A + (size_t)m * lda, B, ldb, C + (size_t)m * ldc);
         M = 0; /* done */
     }
     for (int m = 0; m < M; m++) {
@@ -300,7 +340,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
         skinny(M, N, K, A, lda, B, ldb, C, ldc);
         return;
     }
-    if (supported && small_on && order == ROW_MAJOR && M >= 1 && M <= SMALL_MAX_ROWS && (long)N * K < skinny_min &&
+    if (supported && small_on && order == ROW_MAJOR && M >= 1 && M <= SMALL_MAX_ROWS && (long)N * K < small_max &&
         (trans_a == NO_TRANS || trans_a == TRANS) && (trans_b == NO_TRANS || trans_b == TRANS) && N <= 1024 * 1024) {
         __atomic_add_fetch(&small_calls, 1, __ATOMIC_RELAXED);
         small_product(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -322,7 +362,10 @@ void mtp_skinny_set_min(long elements) { skinny_min = elements; }
 
 long mtp_skinny_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
 
-void mtp_skinny_set_small(int on) { small_on = on; }
+void mtp_skinny_set_small(int on, long max_elements) {
+    small_on = on;
+    small_max = max_elements;
+}
 
 int mtp_skinny_small_on(void) { return small_on; }
 
