@@ -45,11 +45,12 @@ CHUNKED_PREFILL_MIN_TOKENS = 8
 
 
 # Decode steps and verify windows (at most this many tokens a row) compute the depthwise
-# conv as shifted multiply-adds on CPU: MLX's conv kernel cost ~0.9 ms a 0.8B-shaped layer
-# at T=1 (0.1 ms this way; 18 layers: ~15 ms of a ~100 ms 4-bit step), and at these sizes it
-# sums the K taps in the same order, so the bits are mlx-lm's (checked for B <= 8; past
-# 64 rows MLX's conv changes algorithm and rounds differently, which would make a row's
-# result depend on the batch beside it: this way it never does). Issue 23.
+# conv as shifted multiply-adds on CPU. At these sizes MLX's conv kernel sums the K taps in
+# the same order (the bits are mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64
+# rows of input it changes algorithm and rounds differently (16 rows of 5 tokens already):
+# a batched verify window would then differ from the batch's plain steps by ~1e-7, which
+# int8 numerics turn into token changes. This way a row's conv never depends on the batch.
+# (Speed: within noise inside the compiled 0.8B-shaped step.) Issue 23.
 DECODE_CONV_MAX_TOKENS = 8
 
 
