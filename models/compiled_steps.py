@@ -73,7 +73,8 @@ class CompiledLayers:
         state = cache[1]
         if capture:
             h, conv_input, *window = self._get(layer, "gdn_window")(h, cache[0], state)
-            window = WindowStates(state, *window) if len(window) == 4 else StackedStates(*window)
+            # the WY form's four factors ([B, Hv, T] first), or every position's state ([B, Hv, Dv, Dk])
+            window = StackedStates(window) if window[0].ndim == 4 else WindowStates(state, *window)
             store_step(cache, conv_input, window, T, True)
         else:
             h, conv_input, state = self._get(layer, "gdn_step")(h, cache[0], state)
@@ -124,7 +125,7 @@ def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
         h = _residual_mlp(layer, x + r)
         if capture:  # the WY form's factors, or (`window_by_steps`) every position's state
             return (h, conv_input, st.gam, st.decay, st.delta, st.k) if isinstance(st, WindowStates) else (
-                h, conv_input, st.states)
+                h, conv_input, *st.states)
         return h, conv_input, st
 
     return step
