@@ -1,5 +1,6 @@
 """Build and load `native/skinny_sgemm.c`: a `cblas_sgemm` that takes decode-sized
-products (at most 8 rows) off OpenBLAS's packing gemm (see the C file for why).
+products (at most 8 rows) off OpenBLAS's packing gemm, and small ones (at most 64 rows,
+under 4 MB of W) onto a row-invariant kernel (see the C file for why).
 
 Built once per source version with the system C compiler into the user's cache
 (~/.cache/mtp-serve), like MLX's own compiled kernels, and loaded with

@@ -8,8 +8,9 @@
    machines (a 248,320 x 1,024 LM head: 80 ms at M = 1, 102 ms at M = 4), while
    its own sgemv streams 31 GB/s (32 ms). This file exports `cblas_sgemm`; it is
    loaded (RTLD_GLOBAL) before OpenBLAS, so MLX's calls reach it first. Products
-   of that shape go through the kernel below; everything else is passed on
-   unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
+   of that shape go through the kernel below, smaller products of up to 64 rows
+   through the row-invariant kernel further down (issue 23); everything else is
+   passed on unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
 
    Every output element is one 8-lane FMA chain over k, then the same horizontal
    sum and scalar tail, whatever M is and however rows are grouped or split over
@@ -18,8 +19,9 @@
    M = 1 and M > 1 paths round differently).
 
    Only products whose W has at least `skinny_min` elements are taken (the loader
-   sets 1M, 4 MB: below that W sits in cache, streaming speed does not matter and
-   OpenBLAS's kernels won on the demo model).
+   sets 1M, 4 MB: below that W sits in cache and streaming speed does not matter;
+   OpenBLAS's kernels won on the demo model then, and now the row-invariant kernel,
+   as fast or faster at decode sizes, takes them).
 
    Threads: a small pool of pthreads (the caller is thread 0) splits the N rows
    of W; products under `thread_min` elements of W run on the caller alone. */
