@@ -172,7 +172,7 @@ def run_row(lm, text: dict, shape: str, bits: int, numerics: str, prompt: list, 
     with oracle_drafts(reference, args.acceptance, QWEN35_VOCAB):
         for K in args.depths:
             toks, tok_s, tpr = decode(lm, prompt, args.tokens, K)
-            if numerics == "exact":  # int8: see quantized_matmul.DEFAULT_NUMERICS
+            if numerics == "exact" or qmm_ext.default_numerics() == "int8":  # int8: see default_numerics
                 assert toks == reference[: len(toks)], "MTP changed the output"
             plain_runs.append(decode(lm, prompt, args.tokens, 0)[1])  # alternate: load drift hits both
             E = sum(args.acceptance**j for j in range(K + 1))
@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--fp32-head", action="store_true", help="keep the MTP head unquantized (mtp-graft's default)")
-    ap.add_argument("--numerics", nargs="+", default=[qmm_ext.DEFAULT_NUMERICS], choices=qmm_ext.NUMERICS,
+    ap.add_argument("--numerics", nargs="+", default=[qmm_ext.default_numerics()], choices=qmm_ext.NUMERICS,
                     help="the kernel's numerics, a line each (default: mtp-serve's default)")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")

@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
-from .gdn import store_step
+from .gdn import StackedStates, store_step
 from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
 from .rope_positions import RopePositions, attention_layer_at
 
@@ -79,8 +79,10 @@ class CompiledLayers:
             return layer(h, mask=mask, cache=cache)
         state = cache[1]
         if capture:
-            h, conv_input, gam, decay, delta, k = self._get(layer, "gdn_window")(h, cache[0], state)
-            store_step(cache, conv_input, WindowStates(state, gam, decay, delta, k), T, True)
+            h, conv_input, *window = self._get(layer, "gdn_window")(h, cache[0], state)
+            # the WY form's four factors ([B, Hv, T] first), or every position's state ([B, Hv, Dv, Dk])
+            window = StackedStates(window) if window[0].ndim == 4 else WindowStates(state, *window)
+            store_step(cache, conv_input, window, T, True)
         else:
             h, conv_input, state = self._get(layer, "gdn_step")(h, cache[0], state)
             store_step(cache, conv_input, state, T, False)
@@ -128,8 +130,9 @@ def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         r, conv_input, st = layer.linear_attn.mix(layer.input_layernorm(x), conv_state, state, capture=capture)
         h = _residual_mlp(layer, x + r)
-        if capture:
-            return h, conv_input, st.gam, st.decay, st.delta, st.k
+        if capture:  # the WY form's factors, or (`window_by_steps`) every position's state
+            return (h, conv_input, st.gam, st.decay, st.delta, st.k) if isinstance(st, WindowStates) else (
+                h, conv_input, *st.states)
         return h, conv_input, st
 
     return step

@@ -6,9 +6,10 @@ instance's class after the model is built, so weights and names stay
 mlx-lm's). The forward does the same operations as mlx-lm's, in the same
 order, so plain decoding stays bit-identical to mlx-lm, and adds:
 
-* capture: when the cache is a capturing `SpeculativeGDNCache`, the recurrence
-  steps token by token and records the state after every position and the
-  whole conv input, so a verify can be rolled back to any accepted length;
+* capture: when the cache is a capturing `SpeculativeGDNCache`, a verify window
+  records the whole conv input and what gives the state after every position
+  (the WY form's factors, or with int8 quantized products every state, stepped
+  token by token: `window_by_steps`), so it can be rolled back to any accepted length;
 * chunked prefill: on backends without the Metal kernel, long inputs go
   through the chunked gated delta rule instead of a Python loop over tokens.
 """
@@ -20,6 +21,8 @@ from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mtp_serve import quantized_matmul
 
 from . import fast_math
 from .caches import SpeculativeGDNCache
@@ -33,11 +36,22 @@ from .mlx_lm_compat import (
     gated_delta_update,
     normalize_qk,
 )
+from .quantized_layers import DecodeQuantizedLinear
 
 # Inputs at least this long take the chunked path where no Metal kernel runs: its
 # operation count does not grow with the length, the per-token loop's does (a
 # 63-token demo-model prefill measured 48-59 ms chunked against 105-126 ms looped).
 CHUNKED_PREFILL_MIN_TOKENS = 8
+
+
+# Decode steps and verify windows (at most this many tokens a row) compute the depthwise
+# conv as shifted multiply-adds on CPU. At these sizes MLX's conv kernel sums the K taps in
+# the same order (the bits are mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64
+# rows of input it changes algorithm and rounds differently (16 rows of 5 tokens already):
+# a batched verify window would then differ from the batch's plain steps by ~1e-7, which
+# int8 numerics turn into token changes. This way a row's conv never depends on the batch.
+# (Speed: within noise inside the compiled 0.8B-shaped step.) Issue 23.
+DECODE_CONV_MAX_TOKENS = 8
 
 
 def _metal_kernel_available(head_k_dim: int) -> bool:
@@ -66,24 +80,27 @@ def _depthwise_conv(x: mx.array, weight: mx.array) -> mx.array:
 
 
 class StackedStates:
-    """Every position's state, materialized (the per-token fallback's record)."""
+    """Every position's state, materialized (the per-token windows' record): one array per
+    position, not stacked, so a single-sequence commit keeps one of them without a copy (a
+    0.8B-shaped layer's four 1 MB states, written and read again by a stack, cost ~8% of a
+    T=4 window)."""
 
-    def __init__(self, states: mx.array):
-        self.states = states  # [B, T, Hv, Dv, Dk]
+    def __init__(self, states: list):
+        self.states = list(states)  # T arrays [B, Hv, Dv, Dk]
 
     @property
     def length(self) -> int:
-        return self.states.shape[1]
+        return len(self.states)
 
     @property
     def arrays(self) -> list:
-        return [self.states]
+        return self.states
 
     def after(self, n) -> mx.array:
         if isinstance(n, int):
-            return self.states[:, n - 1]
+            return self.states[n - 1]
         idx = (n.astype(mx.int32) - 1).reshape(-1, 1, 1, 1, 1)
-        return mx.take_along_axis(self.states, idx, axis=1).squeeze(1)
+        return mx.take_along_axis(mx.stack(self.states, axis=1), idx, axis=1).squeeze(1)
 
 
 def gated_delta_steps(
@@ -113,7 +130,7 @@ def gated_delta_steps(
         )
         ys.append(y)
         states.append(state)
-    return mx.stack(ys, axis=1), StackedStates(mx.stack(states, axis=1))
+    return mx.stack(ys, axis=1), StackedStates(states)
 
 
 class CapturingGatedDeltaNetMixin:
@@ -121,6 +138,15 @@ class CapturingGatedDeltaNetMixin:
 
     def project(self, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         raise NotImplementedError
+
+    def window_by_steps(self) -> bool:
+        """Verify windows step token by token (mlx-lm's step op, as plain decoding) instead of the
+        WY form: where the layer's products run in int8 numerics. The WY form is exact to fp32
+        rounding, not bit for bit: ~1e-7 that exact numerics carry along harmlessly, but int8
+        rounds the next product's x, where it flips an int8 step and then tokens (0.8B-shaped
+        4-bit model, oracle drafts: MTP left plain's tokens at token 9; by steps, identical).
+        Read when a step is traced: compiled steps keep the form of their first trace."""
+        return isinstance(self.out_proj, DecodeQuantizedLinear) and quantized_matmul.numerics() == "int8"
 
     def mix(
         self,
@@ -149,6 +175,8 @@ class CapturingGatedDeltaNetMixin:
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if fast:
             conv_out = fast_math.silu(_depthwise_conv(conv_input, self.conv1d.weight))
+        elif S <= DECODE_CONV_MAX_TOKENS and mx.default_device() == mx.cpu:
+            conv_out = nn.silu(_depthwise_conv(conv_input, self.conv1d.weight))
         else:
             conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = [
@@ -165,7 +193,7 @@ class CapturingGatedDeltaNetMixin:
             if state is None:
                 state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
             g = compute_g(self.A_log, a, self.dt_bias)
-            if mask is None and g.ndim == 3:
+            if mask is None and g.ndim == 3 and not self.window_by_steps():
                 out, state = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
             else:
                 out, state = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)

@@ -102,6 +102,11 @@ def blas_threads(n: int | None) -> Iterator[None]:
             set_blas_threads(before)
 
 
+def openblas_loaded() -> bool:
+    """OpenBLAS was preloaded: MLX's fp32 matmuls run on it (and on the skinny sgemm shim in front)."""
+    return _OPENBLAS is not None
+
+
 def blas_threads_adjustable() -> bool:
     return _OPENBLAS is not None and not os.environ.get("OPENBLAS_NUM_THREADS") and (os.cpu_count() or 1) > 1
 
@@ -135,7 +140,10 @@ def setup_backend() -> Backend:
     elif blas:
         note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas}"
         if skinny_gemm.active():
-            note += " (decode-sized products on weights of 4 MB or more: mtp-serve's skinny sgemm)"
+            note += " (decode-sized products on weights of 4 MB or more: mtp-serve's skinny sgemm"
+            if skinny_gemm.row_invariant():
+                note += "; smaller ones of up to 64 rows: its row-invariant kernel"
+            note += ")"
     elif mlx_already_loaded:
         note = "MLX CPU backend, fp32 compute, reference BLAS (mlx.core was imported before mtp_serve: OpenBLAS not preloaded)"
     else:

@@ -19,13 +19,17 @@ stay exact), cheaper per row but x loses precision. Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 
-The default is exact. int8 is 1.4-2.3x faster in the kernel at 0.8B shapes, but a
-verify window's attention is not bit-identical to T single steps: the preloaded
-OpenBLAS computes a small product's row differently at 1 row and at 4 (~1e-7, every
-family). Exact numerics keep that 1e-7, while int8 rounding turns it into a flipped
-int8 step in some row of x, ~1e-2 in the logits, and greedy MTP then leaves plain
-decoding's tokens away from any near tie. With MTP_SERVE_NO_OPENBLAS=1 int8 MTP is
-token-identical to plain (tests/test_quantized_matmul.py; issue 23).
+The default is int8 where every other decode-sized fp32 product gives a row the same
+bits at any row count, exact elsewhere (`default_numerics`). int8 is 1.4-2.3x faster in
+the kernel at 0.8B shapes, but it rounds x: a ~1e-7 difference between a verify window
+and T single steps anywhere else becomes a flipped int8 step, ~1e-2 in the logits, and
+greedy MTP leaves plain decoding's tokens. The preloaded OpenBLAS gave a small product's
+row (attention's q.k and p.v) different bits at 1 row and at 4; the skinny sgemm shim
+now takes those products on a row-invariant kernel (`skinny_gemm.row_invariant`), and
+MLX's own sgemm (no OpenBLAS) is row-invariant, so int8 MTP is token-identical to int8
+plain on every family (tests/test_quantized_matmul.py; issue 23). With OpenBLAS but no
+shim (MTP_SERVE_NO_SKINNY_GEMM=1, MTP_SERVE_NO_ROW_INVARIANT=1, a CPU without AVX2) the
+default stays exact.
 """
 
 from __future__ import annotations
@@ -54,14 +58,13 @@ MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 NUMERICS = ("exact", "int8")
-DEFAULT_NUMERICS = "exact"  # int8 breaks MTP = plain: see the note below
 
 log = logging.getLogger("mtp_serve.quantized_matmul")
 
 _EXT: Optional[ModuleType] = None
 _STATUS: Optional[str] = None  # None: not tried yet
 _threads: Optional[int] = None
-_numerics: Optional[str] = None  # None: the environment's, else DEFAULT_NUMERICS
+_numerics: Optional[str] = None  # None: the environment's, else default_numerics()
 
 
 def _key() -> str:
@@ -161,8 +164,16 @@ def status() -> str:
     """One line for start-up logs (loads the extension if not tried yet)."""
     load()
     if _EXT is not None:  # the numerics may have been set after loading
-        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics"
+        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics" + _why_numerics()
     return _STATUS or ""
+
+
+def _why_numerics() -> str:
+    if _numerics is not None or os.environ.get("MTP_SERVE_QUANTIZED_MATMUL"):
+        return ""
+    if default_numerics() == "int8":
+        return " (the default: the other decode products are row-invariant, so greedy MTP = plain)"
+    return " (the default here: OpenBLAS computes the small products, int8 would let MTP leave plain's tokens)"
 
 
 def numerics() -> str:
@@ -172,11 +183,19 @@ def numerics() -> str:
     env = os.environ.get("MTP_SERVE_QUANTIZED_MATMUL", "").strip().lower()
     if env and env not in NUMERICS:
         raise ValueError(f"MTP_SERVE_QUANTIZED_MATMUL={env!r}: expected one of {', '.join(NUMERICS)}")
-    return env or DEFAULT_NUMERICS
+    return env or default_numerics()
+
+
+def default_numerics() -> str:
+    """int8 where a verify window's fp32 products give each row a single step's bits (the
+    shim's row-invariant small products, or no OpenBLAS at all), else exact (see the note above)."""
+    from . import backend, skinny_gemm
+
+    return "int8" if skinny_gemm.row_invariant() or not backend.openblas_loaded() else "exact"
 
 
 def set_numerics(mode: Optional[str]) -> None:
-    """Choose the kernel's numerics (None: back to the environment's or the default)."""
+    """Choose the kernel's numerics (None: back to the environment's or default_numerics())."""
     global _numerics
     if mode is not None and mode not in NUMERICS:
         raise ValueError(f"quantized matmul numerics {mode!r}: expected one of {', '.join(NUMERICS)}")

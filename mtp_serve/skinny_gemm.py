@@ -1,5 +1,6 @@
 """Build and load `native/skinny_sgemm.c`: a `cblas_sgemm` that takes decode-sized
-products (at most 8 rows) off OpenBLAS's packing gemm (see the C file for why).
+products (at most 8 rows) off OpenBLAS's packing gemm, and small ones (at most 64 rows,
+under 4 MB of W) onto a row-invariant kernel (see the C file for why).
 
 Built once per source version with the system C compiler into the user's cache
 (~/.cache/mtp-serve), like MLX's own compiled kernels, and loaded with
@@ -83,6 +84,9 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_set_threads.argtypes = [ctypes.c_int]
     lib.mtp_skinny_set_min.argtypes = [ctypes.c_long]
     lib.mtp_skinny_calls.restype = ctypes.c_long
+    lib.mtp_skinny_small_calls.restype = ctypes.c_long
+    lib.mtp_skinny_set_small.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1", DEFAULT_MIN_ELEMENTS)
     lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
     lib.mtp_skinny_set_threads(int(user_threads) if user_threads.isdigit() else os.cpu_count() or 1)
@@ -124,3 +128,22 @@ def set_threads(n: int) -> None:
 def calls() -> int:
     """Products the shim has computed in this process (tests check it is on the path)."""
     return _LIB.mtp_skinny_calls() if _LIB is not None else 0
+
+
+def set_row_invariant(on: bool) -> None:
+    """On (the default): products of at most 64 rows whose W is under 4 MB (the skinny threshold)
+    (attention's q.k and p.v, small weights) run on the shim's row-invariant kernel, which gives
+    a row the same bits whatever the rows beside it; off: OpenBLAS computes them."""
+    if _LIB is not None:
+        _LIB.mtp_skinny_set_small(int(on), DEFAULT_MIN_ELEMENTS)
+
+
+def row_invariant() -> bool:
+    """Every decode-sized fp32 product gives a row the same bits at any row count: with the shim,
+    or without OpenBLAS (MLX's own sgemm is row-invariant). False: OpenBLAS takes the small ones."""
+    return _LIB is not None and bool(_LIB.mtp_skinny_small_on())
+
+
+def small_calls() -> int:
+    """Small products the row-invariant kernel has computed in this process."""
+    return _LIB.mtp_skinny_small_calls() if _LIB is not None else 0

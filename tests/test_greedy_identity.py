@@ -1,11 +1,13 @@
 """Greedy MTP output is token-identical to mlx-lm's own plain greedy decoding.
 
 The reference is stock mlx-lm: `mlx_lm.load` on the same checkpoint (which
-drops mtp.*) and `mlx_lm.generate.generate_step`, both in fp32. Tie rule: a
-T=K+1 verify and a T=1 step use different matmul shapes, so logits can differ
-in the last bits. A divergence is tolerated only if, at the first differing
+drops mtp.*) and `mlx_lm.generate.generate_step`, both in fp32. Tie rule: where
+some decode-sized fp32 product is not row-invariant (OpenBLAS computing the
+small ones: no skinny sgemm shim), a T=K+1 verify and a T=1 step can differ in
+the last bits, and a divergence is tolerated only if, at the first differing
 token, the reference's top-two logits are within 1e-4 of each other (a
-near-tie); anything else fails.
+near-tie). With the shim (or without OpenBLAS) every product gives a row the
+same bits at any row count, and the tokens must be identical.
 """
 
 import mlx.core as mx
@@ -14,12 +16,15 @@ from mlx.utils import tree_map
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
+from mtp_serve import BACKEND, skinny_gemm
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
 
 from mtp_serve.testing.synthetic import FAMILIES
 
 NEAR_TIE = 1e-4
+# what this file's own tests allow: nothing where the small products are row-invariant (issue 23)
+ALLOWED_TIE = 0.0 if skinny_gemm.row_invariant() or not BACKEND.blas else NEAR_TIE
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 130, 3)), [200] * 5 + [201, 202]]
 N_TOKENS = 64
 
@@ -43,11 +48,11 @@ def mtp_greedy(lm, prompt, depth, n=N_TOKENS):
     return out, stats
 
 
-def assert_identical_or_near_tie(ours, ref, gaps, label):
+def assert_identical_or_near_tie(ours, ref, gaps, label, tie=NEAR_TIE):
     assert len(ours) == len(ref), label
     for i, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
-            assert gaps[i] < NEAR_TIE, f"{label}: token {i} differs ({a} vs {b}) and the reference gap {gaps[i]:.3g} is no near-tie"
+            assert gaps[i] < tie, f"{label}: token {i} differs ({a} vs {b}) and the reference gap {gaps[i]:.3g} is no near-tie"
             return
 
 
@@ -61,7 +66,7 @@ def test_greedy_identity_random_head(family, checkpoint_dir, loaded):
         ref, gaps = reference_greedy(checkpoint_dir(family), prompt, N_TOKENS)
         for depth in (0, 1, 2, 3):
             ours, _ = mtp_greedy(lm, prompt, depth)
-            assert_identical_or_near_tie(ours, ref, gaps, f"{family} prompt {pi} depth {depth}")
+            assert_identical_or_near_tie(ours, ref, gaps, f"{family} prompt {pi} depth {depth}", ALLOWED_TIE)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -72,7 +77,7 @@ def test_greedy_identity_agreeable_head_runs_accept_and_reject(family, checkpoin
         ref, gaps = reference_greedy(checkpoint_dir(family, agreeable=True), prompt, N_TOKENS)
         for depth in (1, 2, 3):
             ours, stats = mtp_greedy(lm, prompt, depth)
-            assert_identical_or_near_tie(ours, ref, gaps, f"{family} agreeable prompt {pi} depth {depth}")
+            assert_identical_or_near_tie(ours, ref, gaps, f"{family} agreeable prompt {pi} depth {depth}", ALLOWED_TIE)
             rate = stats.acceptance_rate
             assert 0.2 <= rate <= 0.95, f"acceptance {rate:.2f} outside [0.2, 0.95]: not both paths exercised"
             assert stats.tokens_per_pass > 1.0

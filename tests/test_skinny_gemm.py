@@ -122,3 +122,41 @@ def test_calibration_picks_a_path_and_both_paths_decode_exactly(checkpoint_dir, 
         from mtp_serve.backend import set_decode_blas_threads
 
         set_decode_blas_threads(None)
+
+
+@needs_shim
+@pytest.mark.parametrize("transpose_b", [True, False])
+def test_small_products_give_a_row_the_same_bits_at_any_row_count(transpose_b):
+    """Products of up to 64 rows on weights under the skinny threshold (attention's q.k and p.v,
+    small layers): OpenBLAS gave row 0 of a 40 x 32 product different bits alone and among 4 rows,
+    which made int8 decode numerics leave plain's tokens under MTP (issue 23)."""
+    skinny_gemm.set_enabled(True)  # the default threshold: these products are all under it
+    assert skinny_gemm.row_invariant()
+    for N, K in [(40, 32), (300, 256), (77, 5), (13, 129)]:
+        b = mx.random.normal((N, K) if transpose_b else (K, N), key=mx.random.key(N))
+        w = b if transpose_b else mx.contiguous(b.T)  # w [N, K] for the reference
+        bop = b.T if transpose_b else b
+        x = mx.random.normal((64, K), key=mx.random.key(K))
+        before = skinny_gemm.small_calls()
+        alone = [x[i : i + 1] @ bop for i in range(64)]
+        mx.eval(alone)
+        assert skinny_gemm.small_calls() > before
+        for M in (2, 4, 5, 9, 64):
+            together = x[:M] @ bop
+            _close(together, x[:M], w)
+            for i in range(M):
+                assert mx.array_equal(together[i : i + 1], alone[i]).item(), (N, K, M, i)
+        xt = mx.contiguous(x[:4].T).T  # A transposed in memory
+        assert mx.array_equal(xt @ bop, x[:4] @ bop).item()
+    # attention-shaped: per-head batched products, a window of 4 queries against one query
+    q = mx.random.normal((1, 8, 4, 64), key=mx.random.key(5))
+    k = mx.random.normal((1, 8, 100, 64), key=mx.random.key(6))
+    scores = q @ k.swapaxes(-1, -2)
+    assert mx.array_equal(scores[:, :, 2:3], q[:, :, 2:3] @ k.swapaxes(-1, -2)).item()
+    p = mx.softmax(scores, axis=-1)
+    assert mx.array_equal((p @ k)[:, :, 1:2], p[:, :, 1:2] @ k).item()
+    c = mx.random.normal((4, 40), key=mx.random.key(3))
+    x4, b4 = mx.random.normal((4, 32), key=mx.random.key(4)), mx.random.normal((40, 32), key=mx.random.key(9))
+    y = mx.addmm(c, x4, b4.T, alpha=0.5, beta=2.0)
+    assert np.allclose(np.asarray(y), 0.5 * _reference(x4, b4) + 2.0 * np.asarray(c), rtol=1e-4, atol=1e-4)
+    assert mx.array_equal(y[1:2], mx.addmm(c[1:2], x4[1:2], b4.T, alpha=0.5, beta=2.0)).item()

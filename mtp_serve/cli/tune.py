@@ -234,7 +234,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, metavar="N", help="tune with drafts from the N most frequent tokens and "
                    "store N as the model's draft_vocab_size (0: the whole vocabulary)")
     p.add_argument("--quantized-matmul", choices=("exact", "int8"),
-                   help="numerics of a quantized model's decode matmuls, as mtp-serve's flag (default exact)")
+                   help="numerics of a quantized model's decode matmuls, as mtp-serve's flag (default: mtp-serve's)")
 
 
 def check_tune_arguments(args) -> Optional[str]:

@@ -8,8 +8,9 @@
    machines (a 248,320 x 1,024 LM head: 80 ms at M = 1, 102 ms at M = 4), while
    its own sgemv streams 31 GB/s (32 ms). This file exports `cblas_sgemm`; it is
    loaded (RTLD_GLOBAL) before OpenBLAS, so MLX's calls reach it first. Products
-   of that shape go through the kernel below; everything else is passed on
-   unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
+   of that shape go through the kernel below, smaller products of up to 64 rows
+   through the row-invariant kernel further down (issue 23); everything else is
+   passed on unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
 
    Every output element is one 8-lane FMA chain over k, then the same horizontal
    sum and scalar tail, whatever M is and however rows are grouped or split over
@@ -18,8 +19,9 @@
    M = 1 and M > 1 paths round differently).
 
    Only products whose W has at least `skinny_min` elements are taken (the loader
-   sets 1M, 4 MB: below that W sits in cache, streaming speed does not matter and
-   OpenBLAS's kernels won on the demo model).
+   sets 1M, 4 MB: below that W sits in cache and streaming speed does not matter;
+   OpenBLAS's kernels won on the demo model then, and now the row-invariant kernel,
+   as fast or faster at decode sizes, takes them).
 
    Threads: a small pool of pthreads (the caller is thread 0) splits the N rows
    of W; products under `thread_min` elements of W run on the caller alone. */
@@ -30,6 +32,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define TGT __attribute__((target("avx2,fma")))
 #define MAX_ROWS 8
@@ -190,6 +193,138 @@ static void skinny(int M, long N, int K, const float *x, int ldx, const float *w
     pthread_mutex_unlock(&call_lock);
 }
 
+/* ------------------------------------------------- small products, any rows
+
+   The products under `small_max` (W in cache, 4 MB) with at most SMALL_MAX_ROWS rows,
+   that the kernel above did not take:
+   attention's q.k and p.v, the small weights of tiny models, the gates. OpenBLAS
+   gives a row of such a product different bits at 1 row and at 4 (row 0 of a
+   40 x 32 product: 1.7e-6 apart), so a verify window's attention differed from T
+   single steps; with int8 decode numerics that flipped a rounding step of x and
+   then tokens. Here every output element is computed by one fixed sequence of
+   operations that depends on neither M nor the row's place among the others:
+   - B transposed (y = A B^T, B [N, K]): the skinny kernel above, 8 rows of A at a time;
+   - B not transposed (y = A B, B [K, N]): an FMA chain over k in order for each
+     output, 8 outputs of a row per vector (a scalar fmaf rounds as a vector lane,
+     so the tail columns agree too);
+   - A transposed: its row is first copied out contiguous;
+   - alpha / beta other than 1 / 0: out = alpha * s + beta * C, in that order. */
+
+#define SMALL_MAX_ROWS 64
+static int small_on = 1; /* `mtp_skinny_set_small` */
+static long small_max = 1L << 20; /* elements of W below which products go here (`mtp_skinny_set_small`), whatever
+                                     `skinny_min` is: calibration may hand the large ones back to OpenBLAS */
+static long small_calls;
+
+/* One row of A (contiguous, K values) against B [K, N] (row stride ldb): out[0..N). */
+TGT static void row_times_b(int N, int K, const float *a, const float *b, int ldb, float *out) {
+    int n = 0;
+    for (; n + 32 <= N; n += 32) {
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+        for (int k = 0; k < K; k++) {
+            const float *bk = b + (size_t)k * ldb + n;
+            __m256 av = _mm256_set1_ps(a[k]);
+            c0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk), c0);
+            c1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 8), c1);
+            c2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 16), c2);
+            c3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 24), c3);
+        }
+        _mm256_storeu_ps(out + n, c0);
+        _mm256_storeu_ps(out + n + 8, c1);
+        _mm256_storeu_ps(out + n + 16, c2);
+        _mm256_storeu_ps(out + n + 24, c3);
+    }
+    for (; n + 8 <= N; n += 8) {
+        __m256 c0 = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) c0 = _mm256_fmadd_ps(_mm256_set1_ps(a[k]), _mm256_loadu_ps(b + (size_t)k * ldb + n), c0);
+        _mm256_storeu_ps(out + n, c0);
+    }
+    for (; n < N; n++) {
+        float c = 0.0f;
+        for (int k = 0; k < K; k++) c = __builtin_fmaf(a[k], b[(size_t)k * ldb + n], c);
+        out[n] = c;
+    }
+}
+
+/* Four rows of A at once (a[r], contiguous) against B [K, N]: each load of B serves the four
+   rows; every output is still the same FMA chain over k in order as in row_times_b. */
+TGT static void rows4_times_b(int N, int K, const float *const a[4], const float *b, int ldb, float *const out[4]) {
+    int n = 0;
+    for (; n + 16 <= N; n += 16) {
+        __m256 c[4][2];
+        for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            const float *bk = b + (size_t)k * ldb + n;
+            __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+            for (int r = 0; r < 4; r++) {
+                __m256 av = _mm256_set1_ps(a[r][k]);
+                c[r][0] = _mm256_fmadd_ps(av, b0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(av, b1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            _mm256_storeu_ps(out[r] + n, c[r][0]);
+            _mm256_storeu_ps(out[r] + n + 8, c[r][1]);
+        }
+    }
+    if (n < N)
+        for (int r = 0; r < 4; r++) row_times_b(N - n, K, a[r], b + n, ldb, out[r] + n);
+}
+
+TGT static void small_product(int trans_a, int trans_b, int M, int N, int K, float alpha, const float *A, int lda,
+                              const float *B, int ldb, float beta, float *C, int ldc) {
+    float stack_row[1024], stack_out[1024];
+    float *row = K <= 1024 ? stack_row : malloc(sizeof(float) * (size_t)K);
+    float *tmp = N <= 1024 ? stack_out : malloc(sizeof(float) * (size_t)N);
+    const int direct = alpha == 1.0f && beta == 0.0f;
+    if (direct && trans_a == NO_TRANS && trans_b == TRANS && K >= 8) { /* the common case: 8 rows share B's loads */
+        for (int m = 0; m < M; m += MAX_ROWS) {
+            int rows = M - m < MAX_ROWS ? M - m : MAX_ROWS;
+            span(rows, 0, N, K, A + (size_t)m * lda, lda, B, ldb, C + (size_t)m * ldc, ldc);
+        }
+        M = 0; /* done */
+    }
+    if (direct && trans_a == NO_TRANS && trans_b == NO_TRANS) {
+        int m = 0;
+        for (; m + 4 <= M; m += 4) {
+            const float *a[4] = {A + (size_t)m * lda, A + (size_t)(m + 1) * lda, A + (size_t)(m + 2) * lda,
+                                 A + (size_t)(m + 3) * lda};
+            float *o[4] = {C + (size_t)m * ldc, C + (size_t)(m + 1) * ldc, C + (size_t)(m + 2) * ldc,
+                           C + (size_t)(m + 3) * ldc};
+            rows4_times_b(N, K, a, B, ldb, o);
+        }
+        for (; m < M; m++) row_times_b(N, K, A + (size_t)m * lda, B, ldb, C + (size_t)m * ldc);
+        M = 0; /* done */
+    }
+    for (int m = 0; m < M; m++) {
+        const float *a = A + (size_t)m * lda;
+        if (trans_a == TRANS) {
+            for (int k = 0; k < K; k++) row[k] = A[(size_t)k * lda + m];
+            a = row;
+        }
+        float *out = direct ? C + (size_t)m * ldc : tmp;
+        if (trans_b == TRANS) {
+            if (K >= 8) {
+                span(1, 0, N, K, a, K, B, ldb, out, N);
+            } else {
+                for (int n = 0; n < N; n++) {
+                    float s = 0.0f;
+                    for (int k = 0; k < K; k++) s += a[k] * B[(size_t)n * ldb + k];
+                    out[n] = s;
+                }
+            }
+        } else {
+            row_times_b(N, K, a, B, ldb, out);
+        }
+        if (!direct) {
+            float *c = C + (size_t)m * ldc;
+            for (int n = 0; n < N; n++) c[n] = beta == 0.0f ? alpha * tmp[n] : alpha * tmp[n] + beta * c[n];
+        }
+    }
+    if (row != stack_row) free(row);
+    if (tmp != stack_out) free(tmp);
+}
+
 /* ------------------------------------------------------------- interface */
 
 int mtp_skinny_supported(void) {
@@ -207,6 +342,12 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
         skinny(M, N, K, A, lda, B, ldb, C, ldc);
         return;
     }
+    if (supported && small_on && order == ROW_MAJOR && M >= 1 && M <= SMALL_MAX_ROWS && (long)N * K < small_max &&
+        (trans_a == NO_TRANS || trans_a == TRANS) && (trans_b == NO_TRANS || trans_b == TRANS) && N <= 1024 * 1024) {
+        __atomic_add_fetch(&small_calls, 1, __ATOMIC_RELAXED);
+        small_product(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
     if (fallback == NULL) fallback = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); /* no OpenBLAS attached */
     fallback(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
@@ -222,3 +363,12 @@ void mtp_skinny_set_threads(int n) {
 void mtp_skinny_set_min(long elements) { skinny_min = elements; }
 
 long mtp_skinny_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
+
+void mtp_skinny_set_small(int on, long max_elements) {
+    small_on = on;
+    small_max = max_elements;
+}
+
+int mtp_skinny_small_on(void) { return small_on; }
+
+long mtp_skinny_small_calls(void) { return __atomic_load_n(&small_calls, __ATOMIC_RELAXED); }
