@@ -267,6 +267,10 @@ def test_native_quantized_attention_equals_mlx_lm_and_scores_a_window_as_single_
         ours = quantized_attention.quantized_attention(qs, sub(k), sub(v), 0.125, mask, 64, bits)
         theirs = quantized_scaled_dot_product_attention(mx.array(qs), sub(k), sub(v), 0.125, mask, 64, bits)
         assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        # the cache's longer value buffer (entries past S unused) in place of the fetched slice: the same bits
+        bufs = tuple(mx.concatenate([a, mx.ones_like(a[:, :, :7])], axis=2) for a in sub(v))
+        from_buffers = quantized_attention.quantized_attention(qs, sub(k), sub(v), 0.125, mask, 64, bits, bufs)
+        assert mx.array_equal(ours, from_buffers).item()
     one = lambda p, n: tuple(a[:1, :, :n] for a in p)  # noqa: E731
     window = quantized_attention.quantized_attention(q[:1], one(k, S), one(v, S), 0.125, "causal", 64, bits)
     for j in range(T):
@@ -284,7 +288,7 @@ def test_greedy_mtp_equals_plain_on_the_native_quantized_attention(kv_setting, a
     used = []
     native = quantized_attention.quantized_attention
     monkeypatch.setattr(quantized_attention, "quantized_attention",
-                        lambda *a: used.append(quantized_attention.native_supported(a[0].shape[-1], *a[5:], a[1][1].dtype))
+                        lambda *a: used.append(quantized_attention.native_supported(a[0].shape[-1], *a[5:7], a[1][1].dtype))
                         or native(*a))
     try:
         prompts = {"a": [5, 17, 99, 3, 42, 7, 250, 11], "b": list(range(30, 130, 3))}
