@@ -11,7 +11,8 @@ setting, not on its contents. So here each setting's attention caches (the
 backbone's and the MTP head's) hold random keys and values of the context's
 length (quantized at that setting), the GatedDeltaNet states come from a short
 real forward, and the script times, interleaving the settings every iteration
-(the machine is shared: a change of load falls on all alike), medians of:
+(the machine is shared: a change of load falls on all alike), the fastest of
+--iters runs (the least disturbed by other processes) of:
 - a plain decode step (T=1 through the backbone);
 - a verify window (T=K+1=4, GatedDeltaNet capture on);
 - one MTP head step (a draft, T=1, over the head's own KV);
@@ -24,7 +25,6 @@ costs give a depth-3 round at per-draft acceptance --acceptance:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 from common import environment, pc, write_json  # noqa: I001  (first: backend set-up before mlx.core)
@@ -112,7 +112,7 @@ def run_model(name: str, args) -> list:
         a = args.acceptance
         tokens = sum(a**i for i in range(DEPTH + 1))
         for run in runs:
-            p, v, d = (statistics.median(run[k]) * 1e3 for k in ("plain", "verify", "draft"))
+            p, v, d = (min(run[k]) * 1e3 for k in ("plain", "verify", "draft"))
             base = base or (p, v)
             row = dict(model=name, context=S, kv=run["label"], plain_ms=p, verify_ms=v, draft_ms=d,
                        plain_vs_full=base[0] / p, verify_vs_full=base[1] / v, verify_in_plain_steps=v / p,
@@ -127,20 +127,72 @@ def run_model(name: str, args) -> list:
     return rows
 
 
+def layer_costs(name: str, args) -> list:
+    """One attention layer's attention alone (cache already updated), the model's shapes: ms for
+    T=1 and T=4 per setting and path (fp32 KV: MLX's sdpa; quantized: native kernel, mlx-lm)."""
+    lm, _, _ = MODELS[name]()
+    a = lm.model.text.args
+    Hq, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    del lm
+    rows = []
+    for S in args.contexts:
+        k, v = (mx.random.normal((1, Hkv, S, D)) for _ in range(2))
+        cases = [("full", lambda q, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=m))]
+        for label, kv in SETTINGS.items():
+            if not kv.quantized:
+                continue
+            qk, qv = (mx.quantize(x, group_size=kv.group_size, bits=kv.bits) for x in (k, v))
+            mx.eval(qk, qv)
+            cases.append((label, lambda q, m, qk=qk, qv=qv, kv=kv: quantized_attention.quantized_attention(
+                q, qk, qv, D**-0.5, m, kv.group_size, kv.bits)))
+            cases.append((label + ", mlx-lm attention", lambda q, m, qk=qk, qv=qv, kv=kv:
+                           quantized_attention.quantized_scaled_dot_product_attention(
+                               q, qk, qv, scale=D**-0.5, mask=m, group_size=kv.group_size, bits=kv.bits)))
+        times = {(c, T): [] for c, _ in cases for T in (1, DEPTH + 1)}
+        qs = {T: mx.random.normal((1, Hq, T, D)) for T in (1, DEPTH + 1)}
+        mx.eval(k, v, qs)
+        for it in range(args.layer_iters + 1):
+            for c, fn in cases:
+                for T in (1, DEPTH + 1):
+                    q = mx.array(qs[T])  # mlx-lm's quantized attention scales its queries in place
+                    mx.eval(q)
+                    t0 = pc()
+                    mx.eval(fn(q, None if T == 1 else "causal"))
+                    if it:
+                        times[(c, T)].append(pc() - t0)
+        for c, _ in cases:
+            one, win = (min(times[(c, T)]) * 1e3 for T in (1, DEPTH + 1))
+            rows.append(dict(model=name, context=S, kv=c, attention_t1_ms=one, attention_t4_ms=win))
+            print(f"[{name} attention layer] ctx {S:>6} {c:<24} T=1 {one:6.2f} ms, T={DEPTH + 1} {win:6.2f} ms", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["0.8b"], choices=sorted(MODELS))
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--iters", type=int, default=5, help="timed iterations (medians)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (the fastest counts)")
     p.add_argument("--acceptance", type=float, default=0.8, help="per-draft acceptance for the MTP estimate")
     p.add_argument("--compare-attention", action="store_true",
                    help="also time the quantized settings through mlx-lm's quantized attention")
+    p.add_argument("--layer-iters", type=int, default=0,
+                   help="also time one attention layer's attention alone, fastest of this many (0: skip)")
+    p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-model step costs")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     print(BACKEND.note, flush=True)
-    rows = []
+    rows, layers = [], []
     for name in args.models:
-        rows += run_model(name, args)
+        if args.layer_iters:
+            layers += layer_costs(name, args)
+        if args.steps:
+            rows += run_model(name, args)
+    if layers:
+        print(f"\n| model | context | KV | one attention layer, T=1 ms | T={DEPTH + 1} ms |\n|---|---|---|---|---|")
+        for r in layers:
+            print(f"| {r['model']} | {r['context']} | {r['kv']} | {r['attention_t1_ms']:.2f} | {r['attention_t4_ms']:.2f} |")
+    if not rows:
+        return 0
     print("\n| model | context | KV | plain step ms | verify T=4 ms (plain steps) | head step ms | plain speed vs full | "
           "MTP x (est.) |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -148,7 +200,7 @@ def main(argv=None) -> int:
               f"({r['verify_in_plain_steps']:.2f}) | {r['draft_ms']:.1f} | {r['plain_vs_full']:.2f} | "
               f"{r['mtp_speedup_est']:.2f} |")
     if args.json:
-        write_json(args.json, {"env": environment(sys.argv), "rows": rows})
+        write_json(args.json, {"env": environment(sys.argv), "rows": rows, "attention_layer": layers})
     return 0
 
 

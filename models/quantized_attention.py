@@ -40,7 +40,7 @@ NATIVE = True
 
 def native_supported(head_dim: int, group_size: int, bits: int, scales_dtype: mx.Dtype) -> bool:
     """The kernel can compute this cache's attention (loading it at first use)."""
-    return (NATIVE and qmm_ext.load() is not None and bits in (4, 8) and head_dim % 16 == 0
+    return (NATIVE and qmm_ext.load() is not None and bits in (4, 8) and head_dim % 64 == 0
             and qmm_ext.supports(bits, group_size, "affine", head_dim, scales_dtype))
 
 

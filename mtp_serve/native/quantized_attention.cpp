@@ -16,7 +16,7 @@
 //
 // Exactness across row counts: out[m, d] is one FMA chain over s in ascending
 // order, whatever the rows beside m, the blocking over rows, or the split over
-// threads (tasks are (head, 16 columns of D) and never split s), so a verify
+// threads (tasks are (head, 64 columns of D) and never split s), so a verify
 // window's rows get the bits T single steps would.
 
 #include <immintrin.h>
@@ -58,11 +58,12 @@ inline float ld1(const void* p, long i) {
   }
 }
 
-constexpr int DC = 16;  // columns of D per task (two 8-lane vectors)
-constexpr int SB = 64;  // keys unpacked per tile
+constexpr int DC = 64;  // columns of D per task: a 64-byte line of 8-bit values, used whole
+constexpr int SB = 64;  // keys unpacked per tile (64 x 64 floats: 16 KB, in L1)
 constexpr int MB = 4;   // rows of p per register block
+constexpr int SUB = 16;  // columns per register block (two 8-lane vectors)
 
-// 8 values of row `row` (packed words `w`), columns d0..d0+7, as floats.
+// 8 values of one key's packed row `w`, columns d0..d0+7, as floats.
 template <int BITS>
 inline __m256 unpack8(const uint32_t* w, int d0) {
   if constexpr (BITS == 8) {
@@ -85,56 +86,55 @@ struct ValueJob {
   int gs;
 };
 
+// acc[m, 0..16) += sum over the tile's n keys of p[m, s] * tile[s, c..c+16), for rows m0..m0+R.
+template <int R>
+inline __attribute__((always_inline)) void accumulate(const ValueJob& jb, long e, long m0, long s0, int n,
+                                                      const float* tile, int c, float* acc) {
+  const float* pr[R];
+  __m256 a0[R], a1[R];
+  for (int i = 0; i < R; i++) {
+    pr[i] = jb.p + size_t(e * jb.M + m0 + i) * jb.S + s0;
+    a0[i] = _mm256_loadu_ps(acc + (m0 + i) * DC + c);
+    a1[i] = _mm256_loadu_ps(acc + (m0 + i) * DC + c + 8);
+  }
+  for (int s = 0; s < n; s++) {
+    const __m256 v0 = _mm256_load_ps(tile + s * DC + c), v1 = _mm256_load_ps(tile + s * DC + c + 8);
+    for (int i = 0; i < R; i++) {
+      const __m256 pb = _mm256_broadcast_ss(pr[i] + s);
+      a0[i] = _mm256_fmadd_ps(pb, v0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(pb, v1, a1[i]);
+    }
+  }
+  for (int i = 0; i < R; i++) {
+    _mm256_storeu_ps(acc + (m0 + i) * DC + c, a0[i]);
+    _mm256_storeu_ps(acc + (m0 + i) * DC + c + 8, a1[i]);
+  }
+}
+
 // Rows e*M .. e*M+M-1 of out, columns [d0, d0 + DC).
 template <int BITS, int ST>
 void value_task(const ValueJob& jb, long e, int d0) {
-  const long Dw = jb.D * BITS / 32, G = jb.D / jb.gs, g = d0 / jb.gs;
+  const long Dw = jb.D * BITS / 32, G = jb.D / jb.gs;
   const uint32_t* w = jb.w + size_t(e) * jb.Sbuf * Dw;
   const long sg0 = e * jb.Sbuf * G;
   std::vector<float> acc(size_t(jb.M) * DC, 0.0f);
   alignas(32) float tile[SB * DC];
   for (long s0 = 0; s0 < jb.S; s0 += SB) {
     const int n = int(std::min<long>(SB, jb.S - s0));
-    for (int s = 0; s < n; s++) {
+    for (int s = 0; s < n; s++) {  // v = q * scale + bias, once per entry
       const long row = s0 + s;
       const uint32_t* wr = w + size_t(row) * Dw;
-      const __m256 sc = _mm256_set1_ps(ld1<ST>(jb.scales, sg0 + row * G + g));
-      const __m256 bi = _mm256_set1_ps(ld1<ST>(jb.biases, sg0 + row * G + g));
-      _mm256_store_ps(tile + s * DC, _mm256_fmadd_ps(unpack8<BITS>(wr, d0), sc, bi));
-      _mm256_store_ps(tile + s * DC + 8, _mm256_fmadd_ps(unpack8<BITS>(wr, d0 + 8), sc, bi));
-    }
-    long m = 0;
-    for (; m + MB <= jb.M; m += MB) {
-      const float* pr[MB];
-      __m256 a0[MB], a1[MB];
-      for (int i = 0; i < MB; i++) {
-        pr[i] = jb.p + size_t(e * jb.M + m + i) * jb.S + s0;
-        a0[i] = _mm256_loadu_ps(acc.data() + (m + i) * DC);
-        a1[i] = _mm256_loadu_ps(acc.data() + (m + i) * DC + 8);
-      }
-      for (int s = 0; s < n; s++) {
-        const __m256 v0 = _mm256_load_ps(tile + s * DC), v1 = _mm256_load_ps(tile + s * DC + 8);
-        for (int i = 0; i < MB; i++) {
-          const __m256 pb = _mm256_broadcast_ss(pr[i] + s);
-          a0[i] = _mm256_fmadd_ps(pb, v0, a0[i]);
-          a1[i] = _mm256_fmadd_ps(pb, v1, a1[i]);
-        }
-      }
-      for (int i = 0; i < MB; i++) {
-        _mm256_storeu_ps(acc.data() + (m + i) * DC, a0[i]);
-        _mm256_storeu_ps(acc.data() + (m + i) * DC + 8, a1[i]);
+      for (int c = 0; c < DC; c += 8) {
+        const long g = (d0 + c) / jb.gs;
+        const __m256 sc = _mm256_set1_ps(ld1<ST>(jb.scales, sg0 + row * G + g));
+        const __m256 bi = _mm256_set1_ps(ld1<ST>(jb.biases, sg0 + row * G + g));
+        _mm256_store_ps(tile + s * DC + c, _mm256_fmadd_ps(unpack8<BITS>(wr, d0 + c), sc, bi));
       }
     }
-    for (; m < jb.M; m++) {  // the same chain per row as in a block
-      const float* pr = jb.p + size_t(e * jb.M + m) * jb.S + s0;
-      __m256 a0 = _mm256_loadu_ps(acc.data() + m * DC), a1 = _mm256_loadu_ps(acc.data() + m * DC + 8);
-      for (int s = 0; s < n; s++) {
-        const __m256 pb = _mm256_broadcast_ss(pr + s);
-        a0 = _mm256_fmadd_ps(pb, _mm256_load_ps(tile + s * DC), a0);
-        a1 = _mm256_fmadd_ps(pb, _mm256_load_ps(tile + s * DC + 8), a1);
-      }
-      _mm256_storeu_ps(acc.data() + m * DC, a0);
-      _mm256_storeu_ps(acc.data() + m * DC + 8, a1);
+    for (int c = 0; c < DC; c += SUB) {
+      long m = 0;
+      for (; m + MB <= jb.M; m += MB) accumulate<MB>(jb, e, m, s0, n, tile, c, acc.data());
+      for (; m < jb.M; m++) accumulate<1>(jb, e, m, s0, n, tile, c, acc.data());  // the same chain per row
     }
   }
   for (long m = 0; m < jb.M; m++)
