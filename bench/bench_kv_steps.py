@@ -19,7 +19,8 @@ real forward, and the script times, interleaving the settings every iteration
 and for the quantized settings the same through mlx-lm's quantized attention
 (--compare-attention; the path before issue 27). "MTP x (est.)" is what those
 costs give a depth-3 round at per-draft acceptance --acceptance:
-(1 + a + a^2 + a^3) plain steps' tokens for one verify and three head steps.
+(1 + a + a^2 + a^3) plain steps' tokens for one verify and three head steps,
+and "MTP tok/s (est.)" those tokens over that round's time.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def run_model(name: str, args) -> list:
             base = base or (p, v)
             row = dict(model=name, context=S, kv=run["label"], plain_ms=p, verify_ms=v, draft_ms=d,
                        plain_vs_full=base[0] / p, verify_vs_full=base[1] / v, verify_in_plain_steps=v / p,
-                       mtp_speedup_est=tokens * p / (v + DEPTH * d), acceptance=a, iters=args.iters)
+                       mtp_speedup_est=tokens * p / (v + DEPTH * d), mtp_tok_s_est=1e3 * tokens / (v + DEPTH * d),
+                       acceptance=a, iters=args.iters)
             rows.append(row)
             print(f"[{name}] ctx {S:>6} {row['kv']:<24} plain {p:7.1f} ms ({row['plain_vs_full']:.2f}x full's speed), "
                   f"verify(T={DEPTH + 1}) {v:7.1f} ms ({v / p:.2f} plain steps), head {d:6.1f} ms, "
@@ -194,11 +196,11 @@ def main(argv=None) -> int:
     if not rows:
         return 0
     print("\n| model | context | KV | plain step ms | verify T=4 ms (plain steps) | head step ms | plain speed vs full | "
-          "MTP x (est.) |\n|---|---|---|---|---|---|---|---|")
+          "MTP x (est.) | MTP tok/s (est.) |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['context']} | {r['kv']} | {r['plain_ms']:.1f} | {r['verify_ms']:.1f} "
               f"({r['verify_in_plain_steps']:.2f}) | {r['draft_ms']:.1f} | {r['plain_vs_full']:.2f} | "
-              f"{r['mtp_speedup_est']:.2f} |")
+              f"{r['mtp_speedup_est']:.2f} | {r['mtp_tok_s_est']:.1f} |")
     if args.json:
         write_json(args.json, {"env": environment(sys.argv), "rows": rows, "attention_layer": layers})
     return 0
