@@ -7,7 +7,8 @@
 For each model, context and KV setting (full precision = fp32 here, 8-bit, 4-bit;
 groups of 64 along the head dimension) it prefills a prompt of that many tokens
 once (timed), stores its state in a prompt cache, and from that snapshot decodes
-greedily, plain and with MTP (depth 3), alternating:
+greedily, plain and with MTP (depth 3), alternating, each repeat going round all
+settings (so that the shared machine's changing load falls on each alike):
 - KV bytes per token (every attention layer and the MTP head; also what bf16 KV
   would take, the compute dtype on Apple GPUs), and the bytes the prompt cache's
   blocks hold for the context;
@@ -20,6 +21,10 @@ The demo model decodes its own text (stdlib source); the 0.8B-shaped model has
 random weights (fp32, the real 248,320-token vocabulary), so its drafts come
 from a benchmark-only oracle (bench_acceptance_speed.py's, acceptance 0.8) and
 its agreement figure says little.
+
+Decode attention (--compare-attention): the quantized settings' decode also
+through mlx-lm's quantized attention (scores and values via MLX's CPU
+quantized_matmul) instead of mtp-serve's native kernel, from the same snapshot.
 
 Prefill attention (--prefill-check): the same 8-bit prefill through the
 blockwise CPU path over the dequantized cache (what mtp-serve runs) and through
@@ -48,7 +53,7 @@ from mtp_serve import BACKEND
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams
-from mtp_serve.models import prefill_layers
+from mtp_serve.models import prefill_layers, quantized_attention
 from mtp_serve.models.caches import FULL_KV, KVSetting
 
 SETTINGS = {"full": FULL_KV, "8-bit": KVSetting(8, 64), "4-bit": KVSetting(4, 64)}
@@ -109,47 +114,61 @@ def run_model(name: str, args) -> list:
     model = lm.model
     print(f"[{name}] loaded in {pc() - t0:.0f}s", flush=True)
     rows = []
+    n = args.tokens if oracle_vocab else args.agree_tokens
     for ctx in args.contexts:
         prompt = text[:ctx]
         if len(prompt) < ctx:
             print(f"[{name}] only {len(prompt)} tokens of text: skipping {ctx}", flush=True)
             continue
-        ref = None
+        # Each setting prefills once into its own prompt cache; then the timed runs (plain and MTP, each
+        # attention path) go round all settings per repeat, so that a change in the machine's load
+        # between minutes falls on every setting alike.
+        runs, ref = [], None
         for label, kv in SETTINGS.items():
             model.use_kv(kv)
             cache = PromptCache(max_bytes=64 << 30, interval=0, kv=kv)
-            n = args.tokens if oracle_vocab else args.agree_tokens
             prefill_s = decode(lm, prompt, 2, 0, cache)[3]  # cold: prefills, stores the snapshot the runs start from
             decode(lm, prompt, 8, 0, cache)  # warm-up (kernels compiled for this setting's shapes)
             plain = decode(lm, prompt, n, 0, cache)[0]
-            if oracle_vocab:
-                from bench_acceptance_speed import oracle_drafts
-
-                context = oracle_drafts(plain, 0.8, oracle_vocab)
-            else:
-                context = _nothing()
-            plain_s, mtp_s, acc = [], [], []
-            with context:
-                decode(lm, prompt, 32, DEPTH, cache)  # warm-up (verify windows of each width)
-                for r in range(args.repeats):
+            ref = ref or plain
+            # mtp-serve's decode attention (native kernel), and with --compare-attention mlx-lm's
+            # quantized attention too (from the same snapshot: no second prefill).
+            paths = [("", True)] + ([(", mlx-lm attention", False)] if kv.quantized and args.compare_attention else [])
+            for suffix, native in paths:
+                runs.append(dict(label=label + suffix, kv=kv, native=native, cache=cache, prefill_s=prefill_s,
+                                 plain=plain, plain_s=[], mtp_s=[], acc=[], outputs=[]))
+        for r in range(args.repeats + 1):  # round 0: warm-up (verify windows of each width), not timed
+            for run in runs:
+                model.use_kv(run["kv"])
+                quantized_attention.NATIVE = run["native"]
+                drafts = oracle_context(run["plain"], oracle_vocab)
+                with drafts:
                     for d in ((DEPTH, 0) if r % 2 == 0 else (0, DEPTH)):
-                        toks, tok_s, a, _ = decode(lm, prompt, n, d, cache)
-                        assert toks == plain, f"{name} {label}: {'MTP' if d else 'plain'} output differs from plain"
-                        (mtp_s if d else plain_s).append(tok_s)
-                        if d:
-                            acc.append(a)
-            if ref is None:
-                ref = plain
-            first, share = agreement(plain, ref)
-            row = dict(model=name, context=ctx, kv=label, kv_bytes_per_token=model.kv_bytes_per_token(),
-                       kv_bytes_per_token_bf16=kv_bytes_bf16(model, kv), cache_block_bytes=cache.blocks.nbytes,
-                       prefill_s=prefill_s, plain_tok_s=max(plain_s), mtp_tok_s=max(mtp_s),
-                       speedup=max(mtp_s) / max(plain_s), acceptance=sum(acc) / len(acc), agree_first=first,
-                       agree_share=share, agree_tokens=len(ref))
+                        toks, tok_s, a, _ = decode(lm, prompt, n if r else 16, d, run["cache"])
+                        if r:
+                            run["outputs"].append(toks)
+                            (run["mtp_s"] if d else run["plain_s"]).append(tok_s)
+                            if d:
+                                run["acc"].append(a)
+                quantized_attention.NATIVE = True
+        for run in runs:
+            out = run["outputs"][0]
+            # MTP equals plain within a path (two attention paths may differ from each other by rounding)
+            assert all(t == out for t in run["outputs"]), f"{name} {run['label']}: MTP output differs from plain"
+            assert not run["native"] or out == run["plain"], f"{name} {run['label']}: output differs from the first run"
+            first, share = agreement(out, ref)
+            model.use_kv(run["kv"])
+            plain_tok_s, mtp_tok_s = max(run["plain_s"]), max(run["mtp_s"])
+            row = dict(model=name, context=ctx, kv=run["label"], kv_bytes_per_token=model.kv_bytes_per_token(),
+                       kv_bytes_per_token_bf16=kv_bytes_bf16(model, run["kv"]),
+                       cache_block_bytes=run["cache"].blocks.nbytes, prefill_s=run["prefill_s"],
+                       plain_tok_s=plain_tok_s, mtp_tok_s=mtp_tok_s, speedup=mtp_tok_s / plain_tok_s,
+                       acceptance=sum(run["acc"]) / len(run["acc"]), agree_first=first, agree_share=share,
+                       agree_tokens=len(ref))
             rows.append(row)
             print_row(row)
-            del cache
-            gc.collect()
+        del runs
+        gc.collect()
         model.use_kv(FULL_KV)
     if args.prefill_check and name == "demo":
         rows_pf = prefill_check(lm, text[: max(args.contexts)])
@@ -160,6 +179,15 @@ def run_model(name: str, args) -> list:
     gc.collect()
     mx.clear_cache()
     return rows
+
+
+def oracle_context(plain, oracle_vocab):
+    """The 0.8B-shaped model's drafts: a benchmark-only oracle that proposes plain's tokens (acceptance 0.8)."""
+    if not oracle_vocab:
+        return _nothing()
+    from bench_acceptance_speed import oracle_drafts
+
+    return oracle_drafts(plain, 0.8, oracle_vocab)
 
 
 class _nothing:
@@ -273,9 +301,12 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--agree-tokens", type=int, default=256, help="demo: tokens decoded per run (agreement, speed)")
     p.add_argument("--tokens", type=int, default=12, help="0.8b: tokens decoded per run")
-    p.add_argument("--repeats", type=int, default=2, help="runs per mode (plain and MTP alternate)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per mode (plain and MTP alternate; each repeat goes round every setting)")
     p.add_argument("--no-prefill-check", dest="prefill_check", action="store_false")
     p.add_argument("--no-session", dest="session", action="store_false")
+    p.add_argument("--compare-attention", action="store_true",
+                   help="also time 8-bit and 4-bit decode through mlx-lm's quantized attention (the path before issue 27)")
     p.add_argument("--system-tokens", type=int, default=3000, help="session: shared system prompt")
     p.add_argument("--session-turns", type=int, default=3)
     p.add_argument("--session-max-tokens", type=int, default=32)

@@ -10,7 +10,8 @@ What is compiled is a pure function of arrays (the layer's weights are
 captured as constants, so the model's weights must not change after the
 first call). GatedDeltaNet layers are compiled whole: cache in, cache out.
 Attention layers are compiled in two parts around mlx-lm's own cache update
-and attention (whose key length grows every step): projections, norms and
+and attention (whose key length grows every step; over a quantized cache the
+attention is `quantized_attention.py`'s): projections, norms and
 RoPE (the offset passed as an array, so one trace serves every position);
 then gate, output projection, residual and MLP. Everything else (prefill, masked batches, long
 inputs) goes through the layers as mlx-lm defines them. Without a C++
@@ -27,7 +28,8 @@ import mlx.nn as nn
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
 from .gdn import StackedStates, store_step
-from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
+from .mlx_lm_compat import Qwen3NextAttention
+from .quantized_attention import attention
 from .rope_positions import RopePositions, attention_layer_at
 
 # Longest input the compiled paths take: verify windows are K+1 <= 8 tokens.
@@ -65,7 +67,7 @@ class CompiledLayers:
             offset = offset if isinstance(offset, mx.array) else mx.array(offset)
             q, k, v, gate = self._get(layer, "attn_in")(h, offset)
             k, v = cache.update_and_fetch(k, v)
-            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=layer.self_attn.scale, mask=mask)
+            out = attention(q, k, v, cache, layer.self_attn.scale, mask)
             return self._get(layer, "attn_out")(h, out, gate)
         capture = isinstance(cache, SpeculativeGDNCache) and cache.capturing
         if (

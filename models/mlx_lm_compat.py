@@ -131,6 +131,7 @@ normalize_qk = _gated_delta.normalize_qk
 create_attention_mask = _base.create_attention_mask
 create_ssm_mask = _base.create_ssm_mask
 scaled_dot_product_attention = _base.scaled_dot_product_attention
+quantized_scaled_dot_product_attention = _base.quantized_scaled_dot_product_attention
 gather_last_axis = _base.gather_last_axis
 
 KVCache = _cache.KVCache

@@ -21,6 +21,7 @@ from .model_card import ModelCard
 from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
 from .prefill_layers import PrefillLayers
+from .quantized_attention import native_supported
 from .rope_positions import RopePositions, attention_layer_at
 from .sharding import local_layers, pipeline_stage
 
@@ -73,6 +74,15 @@ class MTPModel:
         Raises ValueError when the group size does not divide the head dimension."""
         kv.check([self.text.args.head_dim])
         self.kv = kv
+        if kv.quantized:
+            self.kv_attention()  # loads (or builds) the native kernel now, not at the first decode step
+
+    def kv_attention(self) -> str:
+        """Which decode attention a quantized KV setting gets (start-up line)."""
+        dtype = self.inner.norm.weight.dtype
+        if native_supported(self.text.args.head_dim, self.kv.group_size, self.kv.bits, dtype):
+            return "decode attention on mtp-serve's kernel"
+        return "decode attention: mlx-lm's quantized attention"
 
     def kv_bytes_per_token(self) -> int:
         """Attention KV bytes one token adds at the current setting: every attention layer's

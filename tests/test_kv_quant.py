@@ -27,12 +27,13 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.engine.sequence import new_sequence
 from mtp_serve.engine.speculative import accept, commit, draft, verify
-from mtp_serve.models import prefill_layers
+from mtp_serve import quantized_matmul as qmm_ext
+from mtp_serve.models import prefill_layers, quantized_attention
 from mtp_serve.models.caches import (FULL_KV, KVSetting, QuantizedKVCache, RollbackBatchQuantizedKVCache,
                                      SpeculativeGDNCache, kv_arrays, merge_kv)
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
-from mtp_serve.models.mlx_lm_compat import scaled_dot_product_attention
+from mtp_serve.models.mlx_lm_compat import quantized_scaled_dot_product_attention, scaled_dot_product_attention
 from mtp_serve.testing.server_process import ServerProcess
 from mtp_serve.testing.synthetic import FAMILIES
 
@@ -246,6 +247,61 @@ def test_prefill_over_dequantized_kv_equals_mlx_lm_quantized_attention(at, monke
     assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(theirs, -1)).item()
 
 
+needs_kernel = pytest.mark.skipif(qmm_ext.load() is None, reason="mtp-serve's quantized kernel is not available here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_quantized_attention_equals_mlx_lm_and_scores_a_window_as_single_steps(bits):
+    """Decode and verify attention over quantized KV on the native kernel: mlx-lm's quantized
+    attention up to fp32 rounding (a single row, a causal window, a batch with a holes mask),
+    and each row of a 4-token window bit-identical to the single step at its position."""
+    B, Hq, Hkv, S, D, T = 2, 4, 2, 300, 64, 4
+    k, v = (mx.quantize(mx.array(rng.standard_normal((B, Hkv, S, D)).astype(np.float32)), group_size=64, bits=bits)
+            for _ in range(2))
+    q = mx.array(3 * rng.standard_normal((B, Hq, T, D)).astype(np.float32))
+    holes = mx.array(rng.random((B, 1, T, S)) > 0.2) & (mx.arange(S - T, S)[:, None] >= mx.arange(S)[None])
+    assert quantized_attention.native_supported(D, 64, bits, k[1].dtype)
+    for qs, mask in ((q[:1, :, :1], None), (q[:1], "causal"), (q, holes)):
+        sub = lambda p: tuple(a[: qs.shape[0]] for a in p)  # noqa: E731
+        ours = quantized_attention.quantized_attention(qs, sub(k), sub(v), 0.125, mask, 64, bits)
+        theirs = quantized_scaled_dot_product_attention(mx.array(qs), sub(k), sub(v), 0.125, mask, 64, bits)
+        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5).item()
+        # the cache's longer value buffer (entries past S unused) in place of the fetched slice: the same bits
+        bufs = tuple(mx.concatenate([a, mx.ones_like(a[:, :, :7])], axis=2) for a in sub(v))
+        from_buffers = quantized_attention.quantized_attention(qs, sub(k), sub(v), 0.125, mask, 64, bits, bufs)
+        assert mx.array_equal(ours, from_buffers).item()
+    one = lambda p, n: tuple(a[:1, :, :n] for a in p)  # noqa: E731
+    window = quantized_attention.quantized_attention(q[:1], one(k, S), one(v, S), 0.125, "causal", 64, bits)
+    for j in range(T):
+        step = quantized_attention.quantized_attention(q[:1, :, j : j + 1], one(k, S - T + 1 + j), one(v, S - T + 1 + j),
+                                                       0.125, None, 64, bits)
+        assert mx.array_equal(step[:, :, 0], window[:, :, j]).item(), f"row {j}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_setting", [KVSetting(8, 64), KVSetting(4, 64)], ids=["q8g64", "q4g64"])
+def test_greedy_mtp_equals_plain_on_the_native_quantized_attention(kv_setting, at, loaded, monkeypatch):
+    """head_dim 64: both settings' decode and verify attention run on the native kernel."""
+    lm = loaded("qwen3_5", agreeable=True, head_dim=64)
+    lm.model.use_kv(kv_setting)
+    used = []
+    native = quantized_attention.quantized_attention
+    monkeypatch.setattr(quantized_attention, "quantized_attention",
+                        lambda *a: used.append(quantized_attention.native_supported(a[0].shape[-1], *a[5:7], a[1][1].dtype))
+                        or native(*a))
+    try:
+        prompts = {"a": [5, 17, 99, 3, 42, 7, 250, 11], "b": list(range(30, 130, 3))}
+        plain = {k: run(lm, p, 0, max_tokens=28)[0] for k, p in prompts.items()}
+        for k, p in prompts.items():
+            ours, stats = run(lm, p, 2, max_tokens=28)
+            assert ours == plain[k] and sum(stats.accepted) > 0, k
+        assert drive(lm, prompts, 2, {"a": 0, "b": 1}) == plain
+    finally:
+        lm.model.use_kv(FULL_KV)
+    assert used and all(used)
+
+
 # ---------------------------------------------------------------- the prompt cache
 
 
@@ -353,4 +409,5 @@ def test_server_reports_its_kv_setting(checkpoint_dir):
     assert 'mtp_kv_bits{setting="q4g32"} 4.0' in metrics
     per_token = float(re.search(r"^mtp_kv_bytes_per_token (\S+)", metrics, re.M).group(1))
     assert per_token == 2 * 3 * 2 * (16 + 2 * 4)  # (2 attention layers + the head) x 2 KV heads x K and V
-    assert "KV 4-bit, groups of 32 (288 bytes a token)" in log
+    # head_dim 32 at 4 bits is narrower than the native kernel's chunk: mlx-lm's attention computes
+    assert "KV 4-bit, groups of 32 (288 bytes a token; decode attention: mlx-lm's quantized attention)" in log

@@ -256,7 +256,8 @@ def main(argv=None) -> int:
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
-          f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token); "
+          f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token"
+          f"{'; ' + loaded.model.kv_attention() if loaded.model.kv.quantized else ''}); "
           f"{BACKEND.note}", flush=True)
     for card in app.state.models.cards()[1:]:
         print(f"mtp-serve: also serving {card['id']}{' (aliases ' + ', '.join(card['aliases']) + ')' if card['aliases'] else ''} "

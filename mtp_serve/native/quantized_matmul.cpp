@@ -692,6 +692,9 @@ bool cpu_supported() {
 
 }  // namespace
 
+// Attention's value product over quantized KV (quantized_attention.cpp, issue 27), on this file's pool.
+void register_attention(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
+
 NB_MODULE(_mtp_qmm, m) {
   m.doc() = "mtp-serve's decode-sized quantized matmuls (CPU, AVX2/FMA)";
   m.def("qmm_rows", &qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, "int8"_a = false);
@@ -703,4 +706,5 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
+  register_attention(m, [](int parts, const std::function<void(int, int)>& fn) { pool.run(parts, fn); });
 }
