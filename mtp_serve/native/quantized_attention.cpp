@@ -42,21 +42,7 @@ using ParallelFn = void (*)(int parts, const std::function<void(int, int)>& fn);
 
 namespace qattn {
 
-enum ScaleType { F32 = 0, BF16 = 1, F16 = 2 };
-
-template <int ST>
-inline float ld1(const void* p, long i) {
-  if constexpr (ST == F32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == BF16) {
-    uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  } else {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  }
-}
+#include "scale_loads.h"
 
 constexpr int DC = 64;  // columns of D per task: a 64-byte line of 8-bit values, used whole
 constexpr int SB = 64;  // keys unpacked per tile (64 x 64 floats: 16 KB, in L1)
