@@ -77,8 +77,11 @@ def test_grafted_model_decodes_as_the_raw_checkpoint(family, quantize, target, c
     if quantize:  # the raw checkpoint's body quantized exactly as mlx-lm's convert does
         from mlx_lm.utils import quantize_model
 
+        from mtp_serve.models.quantized_layers import install_decode_qmm
+
         with contextlib.redirect_stdout(io.StringIO()):
             quantize_model(ref.model.model, ref.config, 32, 4)
+        install_decode_qmm([ref.model.model])  # the decode kernel the loader installs on a quantized body
         assert any(isinstance(m, nn.QuantizedLinear) for _, m in grafted.model.model.named_modules())
         assert not any(isinstance(m, nn.QuantizedLinear) for _, m in grafted.model.head.named_modules())
     assert_same_head(grafted, ref)
