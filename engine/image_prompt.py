@@ -44,10 +44,6 @@ class ImagePrompt:
         self.features: Dict[int, mx.array] = {}
         self._encoding: Optional[Tuple[int, Iterator[Optional[mx.array]]]] = None  # (image, its pieces)
 
-    @property
-    def image_tokens(self) -> int:
-        return sum(b - a for a, b in self.spans)
-
     def inside(self, n: int) -> bool:
         """Whether a prefix of n tokens ends inside an image (no snapshot there: restoring
         it would mean encoding that image again)."""

@@ -28,9 +28,9 @@ import mlx.nn as nn
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
 from .gdn import StackedStates, store_step
-from .mlx_lm_compat import Qwen3NextAttention
+from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
 from .quantized_attention import attention
-from .rope_positions import RopePositions, attention_layer_at
+from .rope_positions import RopePositions, attention_projections, qkv_at
 
 # Longest input the compiled paths take: verify windows are K+1 <= 8 tokens.
 MAX_COMPILED_TOKENS = 8
@@ -102,17 +102,11 @@ def _mlp_half(layer: nn.Module) -> Callable:
 
 def _attention_in(layer: nn.Module) -> Callable:
     """Qwen3NextAttention up to the cache update (mlx-lm's operations, same order)."""
-    attn = layer.self_attn
+    rope = layer.self_attn.rope
 
     def step(x: mx.array, offset: mx.array):
-        B, L, _ = x.shape
-        h = layer.input_layernorm(x)
-        queries, gate = mx.split(attn.q_proj(h).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-        keys, values = attn.k_proj(h), attn.v_proj(h)
-        queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
-        keys = attn.rope(attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3), offset=offset)
-        values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        return queries, keys, values, gate.reshape(B, L, -1)
+        queries, keys, values, gate = attention_projections(layer, x)
+        return rope(queries, offset=offset), rope(keys, offset=offset), values, gate
 
     return step
 
@@ -126,6 +120,15 @@ def _attention_out(layer: nn.Module) -> Callable:
         return _residual_mlp(layer, x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)))
 
     return step
+
+
+def attention_layer_at(layer: nn.Module, h: mx.array, mask: Any, cache: Any, rope: RopePositions) -> mx.array:
+    """A whole attention decoder layer as mlx-lm computes it, at the positions `rope` gives
+    (uncompiled: prefill chunks of prompts with images, and the paths compiling skips)."""
+    q, k, v, gate = qkv_at(layer, h, cache, rope)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=layer.self_attn.scale, mask=mask)
+    return _attention_out(layer)(h, out, gate)
 
 
 def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:

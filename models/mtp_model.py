@@ -15,14 +15,14 @@ import mlx.nn as nn
 from mtp_serve.backend import blas_threads_for
 
 from .caches import FULL_KV, KVSetting, SpeculativeGDNCache
-from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers
+from .compiled_steps import MAX_COMPILED_TOKENS, CompiledLayers, attention_layer_at
 from .draft_vocab import DraftVocab
 from .model_card import ModelCard
 from .mlx_lm_compat import KVCache, create_attention_mask, create_ssm_mask, gather_last_axis
 from .mtp_head import MTPHead
 from .prefill_layers import PrefillLayers
 from .quantized_attention import native_supported
-from .rope_positions import RopePositions, attention_layer_at
+from .rope_positions import RopePositions
 from .sharding import local_layers, pipeline_stage
 
 
@@ -151,9 +151,9 @@ class MTPModel:
         if rope is not None and layer.is_linear:
             rope = None  # GatedDeltaNet layers have no positions
         if self.prefill is not None and h.shape[1] > MAX_COMPILED_TOKENS:
-            return self.prefill(layer, h, mask, cache) if rope is None else self.prefill(layer, h, mask, cache, rope)
+            return self.prefill(layer, h, mask, cache, rope)
         if self.compiled is not None:
-            return self.compiled(layer, h, mask, cache) if rope is None else self.compiled(layer, h, mask, cache, rope)
+            return self.compiled(layer, h, mask, cache, rope)
         if rope is not None:
             return attention_layer_at(layer, h, mask, cache, rope)
         return layer(h, mask=mask, cache=cache)

@@ -33,11 +33,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import fast_math
-from .compiled_steps import _attention_in
+from .compiled_steps import _attention_in, attention_layer_at
 from .caches import QuantizedKVCache
 from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
 from .prefill_attention import causal_attention
-from .rope_positions import RopePositions, attention_layer_at, qkv_at
+from .rope_positions import RopePositions, qkv_at
 
 
 # Quantized KV through the blockwise path (False: mlx-lm's quantized attention; benchmarks compare).
@@ -61,12 +61,7 @@ def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any], ro
     if not blockwise(layer, mask, cache):
         return attn(layer.input_layernorm(x), mask, cache)
     B, L, _ = x.shape
-    if rope is None:
-        q, k, v, gate = _attention_in(layer)(x, cache.offset)
-    elif rope.grid is None:
-        q, k, v, gate = _attention_in(layer)(x, rope.shifted(cache.offset))
-    else:
-        q, k, v, gate = qkv_at(layer, x, cache, rope)
+    q, k, v, gate = _attention_in(layer)(x, cache.offset) if rope is None else qkv_at(layer, x, cache, rope)
     k, v = cache.update_and_fetch(k, v)
     if quantized:
         k, v = (mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits) for p in (k, v))

@@ -24,8 +24,6 @@ from typing import Any, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlx_lm_compat import scaled_dot_product_attention
-
 
 @dataclass(frozen=True)
 class RopePositions:
@@ -38,11 +36,9 @@ class RopePositions:
         return offset + self.delta
 
 
-def qkv_at(layer: nn.Module, x: mx.array, cache: Any, rope: RopePositions) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Qwen3NextAttention's projections, norms and RoPE (mlx-lm's operations, in its order)
-    with the positions `rope` gives; returns queries, keys, values [B,heads,T,D] and the gate."""
-    from .vision import apply_mrope  # only prompts with images get here
-
+def attention_projections(layer: nn.Module, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Qwen3NextAttention's projections and norms before RoPE (mlx-lm's operations, in its
+    order): queries, keys, values [B, heads, T, D] and the output gate [B, T, H]."""
     attn = layer.self_attn
     B, L, _ = x.shape
     h = layer.input_layernorm(x)
@@ -50,21 +46,19 @@ def qkv_at(layer: nn.Module, x: mx.array, cache: Any, rope: RopePositions) -> Tu
     keys, values = attn.k_proj(h), attn.v_proj(h)
     queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
     keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values, gate.reshape(B, L, -1)
+
+
+def qkv_at(layer: nn.Module, x: mx.array, cache: Any, rope: RopePositions) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """`attention_projections` with RoPE at the positions `rope` gives."""
+    from .vision import apply_mrope  # only prompts with images get here
+
+    attn = layer.self_attn
+    queries, keys, values, gate = attention_projections(layer, x)
     if rope.grid is not None:
         queries, keys = (apply_mrope(t, rope.grid, attn.rope, rope.spec) for t in (queries, keys))
     else:
         offset = rope.shifted(cache.offset)
         queries, keys = attn.rope(queries, offset=offset), attn.rope(keys, offset=offset)
-    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    return queries, keys, values, gate.reshape(B, L, -1)
-
-
-def attention_layer_at(layer: nn.Module, h: mx.array, mask: Any, cache: Any, rope: RopePositions) -> mx.array:
-    """A whole attention decoder layer as mlx-lm computes it, at the positions `rope` gives."""
-    attn = layer.self_attn
-    B, L, _ = h.shape
-    q, k, v, gate = qkv_at(layer, h, cache, rope)
-    k, v = cache.update_and_fetch(k, v)
-    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return queries, keys, values, gate
