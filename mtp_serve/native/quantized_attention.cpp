@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <functional>
 #include <vector>
 
@@ -42,7 +43,7 @@ using ParallelFn = void (*)(int parts, const std::function<void(int, int)>& fn);
 
 namespace qattn {
 
-#include "scale_loads.h"
+#include "qmm_common.h"
 
 constexpr int DC = 64;  // columns of D per task: a 64-byte line of 8-bit values, used whole
 constexpr int SB = 64;  // keys unpacked per tile (64 x 64 floats: 16 KB, in L1)
@@ -149,11 +150,8 @@ class QuantizedValueRows : public mx::UnaryPrimitive {
     const auto& w = inputs[1];
     const auto& sc = inputs[2];
     const auto& bi = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const int st = sc.dtype() == mx::float32 ? F32 : sc.dtype() == mx::bfloat16 ? BF16 : F16;
+    auto& enc = claim_output(stream(), inputs, out);
+    const int st = scale_type(sc.dtype());
     ValueJob jb{p.data<float>(), w.data<uint32_t>(), sc.data<char>(), bi.data<char>(), out.data<float>(),
                 M_, p.shape(-1), w.shape(1), long(w.shape(2)) * 32 / bits_, gs_};
     const TaskFn fn = bits_ == 8 ? pick_st<8>(st) : pick_st<4>(st);

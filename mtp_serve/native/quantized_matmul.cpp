@@ -49,6 +49,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <functional>
 #include <mutex>
 #include <sstream>
@@ -77,7 +78,7 @@ namespace {
 
 // ------------------------------------------------------------------ scale/bias loads
 
-#include "scale_loads.h"
+#include "qmm_common.h"
 
 template <int ST>
 inline __m256 ld8(const void* p, long i) {
@@ -510,13 +511,6 @@ std::atomic<long> busy_ns{0};  // time inside the kernel (benchmarks: its share 
 
 // ------------------------------------------------------------------ compute
 
-int scale_type(mx::Dtype d) {
-  if (d == mx::float32) return F32;
-  if (d == mx::bfloat16) return BF16;
-  if (d == mx::float16) return F16;
-  throw std::invalid_argument("mtp qmm: scales and biases must be float32, bfloat16 or float16");
-}
-
 // tasks: (expert, rows routed to it); every task has N rows of W.
 void compute(const float* x, long xrows, int K, const uint32_t* w, const void* scales, const void* biases, int st,
              long N, int gs, int bits, bool int8, const std::vector<std::pair<long, std::vector<int>>>& tasks,
@@ -571,10 +565,7 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
     const auto& w = inputs[1];
     const auto& sc = inputs[2];
     const auto& bi = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = claim_output(stream(), inputs, out);
     const long K = x.shape(-1), xrows = x.size() / K, N = w.shape(-2);
     const int st = scale_type(sc.dtype());
     std::vector<std::pair<long, std::vector<int>>> tasks;
