@@ -3,7 +3,7 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
 
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
                                     [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
-                                    [--numerics exact int8]
+                                    [--numerics exact int8] [--gdn native mlx]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
 
@@ -42,6 +42,7 @@ from cost_model import QWEN35_VOCAB, cost_ratios, measure_costs
 from mtp_serve import BACKEND
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve.engine.warmup import calibrate_blas_threads
+from mtp_serve.models import gdn
 from mtp_serve.models.compiled_steps import CompiledLayers
 from mtp_serve.models.quantized_layers import install_decode_qmm, use_kernel
 from mtp_serve.testing.quantized import quantize_head, quantize_mlx_lm_model
@@ -146,9 +147,13 @@ def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
     ref_tok_s = mlx_lm_tok_s(lm, prompt, args.mlx_lm_tokens)
     rows = []
     for numerics in args.numerics:
-        qmm_ext.set_numerics(numerics)
-        model.compiled = CompiledLayers()  # compiled steps keep the numerics they traced
-        rows.append(run_row(lm, text, shape, bits, numerics, prompt, ref_tok_s, args, bandwidth))
+        for recurrence in args.gdn:
+            qmm_ext.set_numerics(numerics)
+            gdn.NATIVE = recurrence == "native"
+            model.compiled = CompiledLayers()  # compiled steps keep the numerics and paths they traced
+            label = numerics if len(args.gdn) == 1 else f"{numerics}, {recurrence} GDN"
+            rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
+    gdn.NATIVE = True
     del model, lm
     gc.collect()
     mx.clear_cache()
@@ -172,7 +177,7 @@ def run_row(lm, text: dict, shape: str, bits: int, numerics: str, prompt: list, 
     with oracle_drafts(reference, args.acceptance, QWEN35_VOCAB):
         for K in args.depths:
             toks, tok_s, tpr = decode(lm, prompt, args.tokens, K)
-            if numerics == "exact" or qmm_ext.default_numerics() == "int8":  # int8: see default_numerics
+            if qmm_ext.numerics() == "exact" or qmm_ext.default_numerics() == "int8":  # int8: see default_numerics
                 assert toks == reference[: len(toks)], "MTP changed the output"
             plain_runs.append(decode(lm, prompt, args.tokens, 0)[1])  # alternate: load drift hits both
             E = sum(args.acceptance**j for j in range(K + 1))
@@ -267,6 +272,9 @@ def main() -> None:
     ap.add_argument("--fp32-head", action="store_true", help="keep the MTP head unquantized (mtp-graft's default)")
     ap.add_argument("--numerics", nargs="+", default=[qmm_ext.default_numerics()], choices=qmm_ext.NUMERICS,
                     help="the kernel's numerics, a line each (default: mtp-serve's default)")
+    ap.add_argument("--gdn", nargs="+", default=["native"], choices=["native", "mlx"],
+                    help="the GatedDeltaNet recurrence of decode steps and windows: mtp-serve's native kernel "
+                         "or mlx-lm's ops, a line each")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
     ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")

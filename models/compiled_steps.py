@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .activations import sigmoid
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import WindowStates
 from .gdn import StackedStates, store_step
@@ -117,7 +118,7 @@ def _attention_out(layer: nn.Module) -> Callable:
 
     def step(x: mx.array, out: mx.array, gate: mx.array) -> mx.array:
         B, L, _ = x.shape
-        return _residual_mlp(layer, x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)))
+        return _residual_mlp(layer, x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1) * sigmoid(gate)))
 
     return step
 

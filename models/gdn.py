@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from mtp_serve import quantized_matmul
 
-from . import fast_math
+from . import activations, fast_math
 from .caches import SpeculativeGDNCache
 from .gated_delta_chunked import gated_delta_chunked, gated_delta_window
 from .mlx_lm_compat import (
@@ -103,6 +103,30 @@ class StackedStates:
         return mx.take_along_axis(mx.stack(self.states, axis=1), idx, axis=1).squeeze(1)
 
 
+# Decode steps and verify windows run the recurrence on mtp-serve's native CPU kernel when
+# it is built (False: mlx-lm's ops; benchmarks compare). Issue 23.
+NATIVE = True
+
+
+def native_recurrence() -> Optional[Any]:
+    """The native kernel's module when decode recurrences run on it here, else None. Its bits are
+    mlx-lm's step op's (`gated_delta.cpp`), 4x (one token) to 9x (a 4-token window) cheaper."""
+    if not NATIVE or mx.default_device() != mx.cpu:
+        return None
+    ext = quantized_matmul.load()
+    return ext if ext is not None and hasattr(ext, "gated_delta_steps") else None
+
+
+def _native_steps(ext: Any, q, k, v, g, beta, state, mask, all_states: bool):
+    """`gated_delta_steps` (all_states) or mlx-lm's `gated_delta_ops` on the native kernel, or None
+    where it does not take the shapes (per-dimension gating, head dims not multiples of 8)."""
+    if g.ndim != 3 or q.shape[-1] % 8 or v.shape[-1] % 8:
+        return None
+    f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta)]  # exact: MLX promotes to fp32 the same way
+    y, *states = ext.gated_delta_steps(*f32, state, mask, all_states)
+    return y.astype(q.dtype), (StackedStates(states) if all_states else states[0])
+
+
 def gated_delta_steps(
     q: mx.array,
     k: mx.array,
@@ -146,6 +170,8 @@ class CapturingGatedDeltaNetMixin:
         rounds the next product's x, where it flips an int8 step and then tokens (0.8B-shaped
         4-bit model, oracle drafts: MTP left plain's tokens at token 9; by steps, identical).
         Read when a step is traced: compiled steps keep the form of their first trace."""
+        if native_recurrence() is not None:  # token by token on the native kernel: exact and cheaper than WY
+            return True
         return isinstance(self.out_proj, DecodeQuantizedLinear) and quantized_matmul.numerics() == "int8"
 
     def mix(
@@ -176,7 +202,7 @@ class CapturingGatedDeltaNetMixin:
         if fast:
             conv_out = fast_math.silu(_depthwise_conv(conv_input, self.conv1d.weight))
         elif S <= DECODE_CONV_MAX_TOKENS and mx.default_device() == mx.cpu:
-            conv_out = nn.silu(_depthwise_conv(conv_input, self.conv1d.weight))
+            conv_out = activations.silu(_depthwise_conv(conv_input, self.conv1d.weight))
         else:
             conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = [
@@ -189,9 +215,15 @@ class CapturingGatedDeltaNetMixin:
         ]
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
 
-        if capture:
-            if state is None:
-                state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        native = None if chunked else native_recurrence()
+        if state is None and (capture or native is not None):
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        if native is not None and (
+            stepped := _native_steps(native, q, k, v, compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b),
+                                     state, mask, all_states=capture)
+        ) is not None:
+            out, state = stepped
+        elif capture:
             g = compute_g(self.A_log, a, self.dt_bias)
             if mask is None and g.ndim == 3 and not self.window_by_steps():
                 out, state = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)

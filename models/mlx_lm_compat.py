@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Iterable
 
 import mlx_lm
+from mlx_lm.models import activations as _activations
 from mlx_lm.models import base as _base
 from mlx_lm.models import cache as _cache
 from mlx_lm.models import gated_delta as _gated_delta
@@ -101,7 +102,8 @@ _require_init_fields(qwen3_5.TextModel, ["sharding_group"])
 _require_init_fields(qwen3_next.Qwen3NextMLP, ["gate_proj", "up_proj", "down_proj"])
 _require_init_fields(qwen3_next.Qwen3NextRMSNormGated, ["weight", "eps"])
 # Quantized MoE experts: models/quantized_layers.py computes their decode-sized products.
-_require(_switch_layers, ["QuantizedSwitchLinear"], "mlx_lm.models.switch_layers")
+_require(_switch_layers, ["QuantizedSwitchLinear", "SwiGLU"], "mlx_lm.models.switch_layers")
+_require(_activations, ["swiglu", "precise_swiglu"], "mlx_lm.models.activations")
 _require_init_fields(_switch_layers.QuantizedSwitchLinear, ["group_size", "bits", "mode"])
 for _layer in (qwen3_5.DecoderLayer, qwen3_next.Qwen3NextDecoderLayer):
     _require_init_fields(_layer, ["is_linear", "input_layernorm", "post_attention_layernorm", "mlp"])
@@ -177,6 +179,9 @@ def shard_decoder_layers(layers, group) -> None:
     qwen3_5.Model.shard(only_layers, group)
 Qwen3NextMLP = qwen3_next.Qwen3NextMLP
 Qwen3NextRMSNormGated = qwen3_next.Qwen3NextRMSNormGated
+SwiGLU = _switch_layers.SwiGLU
+swiglu = _activations.swiglu
+precise_swiglu = _activations.precise_swiglu
 
 
 # -- conversion and quantization (mtp-convert, mtp-graft): mlx-lm's converter and quantizer

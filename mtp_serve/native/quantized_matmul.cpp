@@ -671,6 +671,10 @@ bool cpu_supported() {
 
 // Attention's value product over quantized KV (quantized_attention.cpp, issue 27), on this file's pool.
 void register_attention(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
+// The GatedDeltaNet recurrence of decode steps and verify windows (gated_delta.cpp, issue 23), on this file's pool.
+void register_gated_delta(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
+// Sigmoid, SiLU and SwiGLU with MLX's bits (activations.cpp, issue 23).
+void register_activations(nb::module_& m);
 
 NB_MODULE(_mtp_qmm, m) {
   m.doc() = "mtp-serve's decode-sized quantized matmuls (CPU, AVX2/FMA)";
@@ -684,4 +688,6 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
   register_attention(m, [](int parts, const std::function<void(int, int)>& fn) { pool.run(parts, fn); });
+  register_gated_delta(m, [](int parts, const std::function<void(int, int)>& fn) { pool.run(parts, fn); });
+  register_activations(m);
 }
