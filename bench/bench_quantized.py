@@ -3,7 +3,7 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
 
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
                                     [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
-                                    [--numerics exact int8] [--gdn native mlx]
+                                    [--numerics exact int8] [--gdn native mlx] [--draft-vocab 0 32768]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
 
@@ -148,12 +148,16 @@ def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
     rows = []
     for numerics in args.numerics:
         for recurrence in args.gdn:
-            qmm_ext.set_numerics(numerics)
-            gdn.NATIVE = recurrence == "native"
-            model.compiled = CompiledLayers()  # compiled steps keep the numerics and paths they traced
-            label = numerics if len(args.gdn) == 1 else f"{numerics}, {recurrence} GDN"
-            rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
+            for dv in args.draft_vocab:
+                qmm_ext.set_numerics(numerics)
+                gdn.NATIVE = recurrence == "native"
+                model.use_draft_vocab(list(range(dv)) if dv else None)
+                model.compiled = CompiledLayers()  # compiled steps keep the numerics and paths they traced
+                label = ", ".join([numerics] + [f"{recurrence} GDN"] * (len(args.gdn) > 1)
+                                  + [f"drafts from {dv}" if dv else "drafts from all"] * (len(args.draft_vocab) > 1))
+                rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
     gdn.NATIVE = True
+    model.use_draft_vocab(None)
     del model, lm
     gc.collect()
     mx.clear_cache()
@@ -275,6 +279,8 @@ def main() -> None:
     ap.add_argument("--gdn", nargs="+", default=["native"], choices=["native", "mlx"],
                     help="the GatedDeltaNet recurrence of decode steps and windows: mtp-serve's native kernel "
                          "or mlx-lm's ops, a line each")
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                    help="the head drafts from the N most frequent tokens (--draft-vocab N; 0: all), a line each")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
     ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")

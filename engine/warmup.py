@@ -106,7 +106,7 @@ def decode_matmuls_note(threads: Optional[int]) -> str:
     """The calibrated choice, for start-up logs and benchmark headers."""
     how = "OpenBLAS, mtp-serve's skinny sgemm for weights of 4 MB or more" if skinny_gemm.enabled() else "OpenBLAS"
     if quantized_matmul.active():
-        how += "; quantized weights: mtp-serve's kernel"
+        how += "; quantized weights, GatedDeltaNet steps and activations: mtp-serve's native kernels"
     return f"decode matmuls: {how} on {threads or 'all'} thread(s)"
 
 

@@ -507,7 +507,7 @@ def test_calibration_times_quantized_models(quantized):
     lm = quantized("qwen3_5", 4)
     try:
         threads = calibrate_blas_threads(lm.model, lm.tokenizer, 2, steps=2, rounds=1)
-        assert "quantized weights: mtp-serve's kernel" in decode_matmuls_note(threads)
+        assert "quantized weights, GatedDeltaNet steps and activations: mtp-serve's native kernels" in decode_matmuls_note(threads)
     finally:
         set_decode_blas_threads(None)
 
