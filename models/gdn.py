@@ -8,8 +8,9 @@ order, so plain decoding stays bit-identical to mlx-lm, and adds:
 
 * capture: when the cache is a capturing `SpeculativeGDNCache`, a verify window
   records the whole conv input and what gives the state after every position
-  (the WY form's factors, or with int8 quantized products every state, stepped
-  token by token: `window_by_steps`), so it can be rolled back to any accepted length;
+  (every state, stepped token by token: `window_by_steps`, on mtp-serve's native
+  kernel where it is built; else the WY form's factors, or with int8 quantized
+  products mlx-lm's step op), so it can be rolled back to any accepted length;
 * chunked prefill: on backends without the Metal kernel, long inputs go
   through the chunked gated delta rule instead of a Python loop over tokens.
 """
@@ -119,8 +120,12 @@ def native_recurrence() -> Optional[Any]:
 
 def _native_steps(ext: Any, q, k, v, g, beta, state, mask, all_states: bool):
     """`gated_delta_steps` (all_states) or mlx-lm's `gated_delta_ops` on the native kernel, or None
-    where it does not take the shapes (per-dimension gating, head dims not multiples of 8)."""
-    if g.ndim != 3 or q.shape[-1] % 8 or v.shape[-1] % 8:
+    where it does not take the inputs (per-dimension gating, head dims not multiples of 8, a
+    state not in float32, a mask other than [B, T] booleans)."""
+    B, T = q.shape[:2]
+    if g.ndim != 3 or q.shape[-1] % 8 or v.shape[-1] % 8 or state.dtype != mx.float32:
+        return None
+    if mask is not None and (mask.dtype != mx.bool_ or tuple(mask.shape) != (B, T)):
         return None
     f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta)]  # exact: MLX promotes to fp32 the same way
     y, *states = ext.gated_delta_steps(*f32, state, mask, all_states)
@@ -164,8 +169,9 @@ class CapturingGatedDeltaNetMixin:
         raise NotImplementedError
 
     def window_by_steps(self) -> bool:
-        """Verify windows step token by token (mlx-lm's step op, as plain decoding) instead of the
-        WY form: where the layer's products run in int8 numerics. The WY form is exact to fp32
+        """Verify windows step token by token (as plain decoding) instead of the WY form: always on
+        the native kernel (exact and cheaper), else with mlx-lm's step op where the layer's
+        products run in int8 numerics. The WY form is exact to fp32
         rounding, not bit for bit: ~1e-7 that exact numerics carry along harmlessly, but int8
         rounds the next product's x, where it flips an int8 step and then tokens (0.8B-shaped
         4-bit model, oracle drafts: MTP left plain's tokens at token 9; by steps, identical).

@@ -81,3 +81,21 @@ def test_greedy_identity_agreeable_head_runs_accept_and_reject(family, checkpoin
             rate = stats.acceptance_rate
             assert 0.2 <= rate <= 0.95, f"acceptance {rate:.2f} outside [0.2, 0.95]: not both paths exercised"
             assert stats.tokens_per_pass > 1.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_greedy_identity_on_mlx_ops_without_the_native_kernels(family, checkpoint_dir, monkeypatch):
+    """Where the native recurrence and activations are off (not built, MTP_SERVE_NO_QMM=1, a GPU),
+    mlx-lm's ops compute them, and greedy MTP still equals plain mlx-lm (issue 23)."""
+    from mtp_serve.models import activations, gdn
+    from mtp_serve.models.loader import load_model
+
+    monkeypatch.setattr(gdn, "NATIVE", False)
+    monkeypatch.setattr(activations, "NATIVE", False)
+    lm = load_model(str(checkpoint_dir(family, agreeable=True)))  # fresh: compiled steps keep their first trace
+    prompt = PROMPTS[1]
+    ref, gaps = reference_greedy(checkpoint_dir(family, agreeable=True), prompt, N_TOKENS)
+    for depth in (1, 3):
+        ours, stats = mtp_greedy(lm, prompt, depth)
+        assert_identical_or_near_tie(ours, ref, gaps, f"{family} on mlx ops, depth {depth}", ALLOWED_TIE)
+        assert stats.tokens_per_pass > 1.0
