@@ -92,3 +92,27 @@ def test_off_without_the_extension(monkeypatch):
     assert gdn.native_recurrence() is None
     monkeypatch.setattr(gdn, "NATIVE", False)
     assert gdn.native_recurrence() is None
+
+
+def test_decode_steps_and_verify_windows_run_on_it(checkpoint_dir, monkeypatch):
+    """A greedy MTP decode on a synthetic Qwen3.5 checkpoint: plain steps (one token) and verify
+    windows (every position's state kept) both take the native recurrence, and the output is
+    plain decoding's. (Compiled steps call the forward when they trace it: `seen` holds traces.)"""
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.models.loader import load_model
+
+    seen = []
+    real = gdn._native_steps
+
+    def counting(ext, q, *args, all_states):
+        seen.append((q.shape[1], all_states))
+        return real(ext, q, *args, all_states=all_states)
+
+    monkeypatch.setattr(gdn, "_native_steps", counting)
+    lm = load_model(str(checkpoint_dir("qwen3_5", agreeable=True)))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = {depth: [t for c in generate(lm.model, lm.tokenizer, [5, 17, 99, 3], params, depth=depth) for t in c.token_ids]
+            for depth in (0, 2)}
+    assert runs[2] == runs[0]
+    assert (1, False) in seen and (3, True) in seen, seen
