@@ -532,7 +532,7 @@ class Pool {
   int parts_ = 1, threads_ = 1;
   std::atomic<int> pending_{0};
   std::atomic<unsigned long> generation_{0};
-  long spin_ns_ = 100000;
+  long spin_ns_ = 30000;  // 0.8B 4-bit decode: 30 us as fast as 100, 0 us 1.1x slower (measured)
 };
 
 // Never destroyed: at exit, destroying a condition variable its sleeping workers wait on blocks (glibc).
