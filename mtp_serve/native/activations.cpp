@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -30,6 +31,8 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 
 namespace act {
+
+#include "qmm_common.h"
 
 // floor(x + 0.5) with the sum and floor in double, as MLX's `floor(x + 0.5)` on Simd<float, 1>.
 inline __m256 floor_half_up(__m256 x) {
@@ -95,10 +98,7 @@ class Activation : public mx::UnaryPrimitive {
   Activation(mx::Stream s, int op) : mx::UnaryPrimitive(s), op_(op) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) enc.set_input_array(in);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    enc.set_output_array(out);
+    auto& enc = claim_output(stream(), inputs, out);
     const float* a = inputs[0].data<float>();
     const float* b = inputs.size() > 1 ? inputs[1].data<float>() : nullptr;
     float* o = out.data<float>();

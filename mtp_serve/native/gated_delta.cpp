@@ -47,6 +47,8 @@ using ParallelFn = void (*)(int parts, const std::function<void(int, int)>& fn);
 
 namespace gdn {
 
+#include "qmm_common.h"
+
 ParallelFn parallel = nullptr;
 long thread_min = 1L << 17;  // state entries x tokens below which one thread computes
 
@@ -146,12 +148,7 @@ class GatedDeltaSteps : public mx::Primitive {
       : mx::Primitive(s), all_states_(all_states), masked_(masked) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) enc.set_input_array(in);
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      enc.set_output_array(out);
-    }
+    auto& enc = claim_outputs(stream(), inputs, outputs);
     const auto& q = inputs[0];
     const auto& v = inputs[2];
     Job jb{q.data<float>(), inputs[1].data<float>(), v.data<float>(), inputs[3].data<float>(),

@@ -1,5 +1,6 @@
-// What both primitives' sources share (quantized_matmul.cpp, quantized_attention.cpp): the dtype of
-// MLX's affine scales and biases, one of them loaded as fp32, and an eval's output claimed.
+// What the native primitives' sources share (quantized_matmul.cpp, quantized_attention.cpp,
+// gated_delta.cpp, activations.cpp): the dtype of MLX's affine scales and biases, one of them
+// loaded as fp32, and an eval's outputs claimed.
 // Included inside each source's own namespace, after <immintrin.h>, <cstdint>, <cstring>,
 // <stdexcept> and MLX's headers.
 #pragma once
@@ -27,11 +28,19 @@ inline int scale_type(mx::Dtype d) {
   throw std::invalid_argument("mtp qmm: scales and biases must be float32, bfloat16 or float16");
 }
 
-// The output's memory and the CPU encoder's bookkeeping of inputs and output, as every eval_cpu starts.
-inline mx::cpu::CommandEncoder& claim_output(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+// The outputs' memory and the CPU encoder's bookkeeping of inputs and outputs, as every eval_cpu starts.
+inline mx::cpu::CommandEncoder& claim_outputs(mx::Stream s, const std::vector<mx::array>& inputs,
+                                              std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(s);
   for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_output_array(out);
+  }
   return enc;
+}
+
+inline mx::cpu::CommandEncoder& claim_output(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
+  std::vector<mx::array> outputs = {out};  // a handle: its data is out's
+  return claim_outputs(s, inputs, outputs);
 }
