@@ -227,22 +227,20 @@ class CapturingGatedDeltaNetMixin:
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
 
         native = None if chunked else native_recurrence()
+        if capture or chunked or native is not None:  # (gated_delta_update computes them itself)
+            g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
         if state is None and (capture or native is not None):
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        if native is not None and (
-            stepped := _native_steps(native, q, k, v, compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b),
-                                     state, mask, all_states=capture)
-        ) is not None:
+        stepped = None if native is None else _native_steps(native, q, k, v, g, beta, state, mask, all_states=capture)
+        if stepped is not None:
             out, state = stepped
         elif capture:
-            g = compute_g(self.A_log, a, self.dt_bias)
             if mask is None and g.ndim == 3 and not self.window_by_steps():
-                out, state = gated_delta_window(q, k, v, g, mx.sigmoid(b), state)
+                out, state = gated_delta_window(q, k, v, g, beta, state)
             else:
-                out, state = gated_delta_steps(q, k, v, g, mx.sigmoid(b), state, mask)
+                out, state = gated_delta_steps(q, k, v, g, beta, state, mask)
         elif chunked:
-            g = compute_g(self.A_log, a, self.dt_bias)
-            out, state = gated_delta_chunked(q, k, v, g, mx.sigmoid(b), state, mask)
+            out, state = gated_delta_chunked(q, k, v, g, beta, state, mask)
         else:
             out, state = gated_delta_update(
                 q, k, v, a, b, self.A_log, self.dt_bias, state, mask,
