@@ -245,13 +245,8 @@ def _rows(shape) -> int:
 
 def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` on the kernel: x [..., K]."""
-    K = x.shape[-1]
-    rows = _rows(x.shape[:-1])
-    xf = x.reshape(rows, K)
-    if xf.dtype != mx.float32:
-        xf = xf.astype(mx.float32)
-    y = _EXT.qmm_rows(xf, w, scales, biases, group_size, bits, numerics() == "int8")
-    y = y.reshape(*x.shape[:-1], w.shape[0])
+    y = _EXT.qmm_rows(x if x.dtype == mx.float32 else x.astype(mx.float32), w, scales, biases, group_size, bits,
+                      numerics() == "int8")
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 

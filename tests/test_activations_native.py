@@ -41,6 +41,14 @@ def test_bits_of_mlx_over_every_kind_of_float():
     assert _same(ext.swiglu(x, y), swiglu(x, y))
 
 
+def test_strided_inputs():
+    """Transposed and sliced inputs (taken without a contiguous copy in the graph) give MLX's bits."""
+    x, y = mx.random.normal((64, 40)), mx.random.normal((40, 64))
+    for a, b in [(x.T, y), (x[::3], y.T[::3]), (x.T[:, 5:], y[:, 5:])]:
+        assert _same(ext.sigmoid(a), mx.sigmoid(a)) and _same(ext.silu(a), nn.silu(a))
+        assert _same(ext.swiglu(a, b), swiglu(a, b))
+
+
 def test_layer_swaps_keep_mlx_lm_outputs():
     """The swapped MLP and gated norm compute what mlx-lm's classes do, bit for bit."""
     from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated

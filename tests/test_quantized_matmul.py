@@ -155,6 +155,21 @@ def test_x_dtypes_and_batch_shapes(exact):
 
 @needs_kernel
 @pytest.mark.parametrize("mode", ["exact", "int8"])
+def test_strided_inputs_read_as_their_contiguous_copies(mode):
+    """The primitives take inputs as they come (no contiguous copy in the graph): a transposed,
+    sliced or broadcast x, and sliced weights, give the bits of their contiguous copies."""
+    w, s, b = _quantized(96, 256, 4, 64, mx.float32)
+    x = mx.random.normal((256, 6))
+    with numerics(mode):
+        for strided, ws in [(x.T, (w, s, b)), (x.T[1::2], (w, s, b)), (mx.broadcast_to(x.T[:1], (3, 256)), (w, s, b)),
+                            (x.T, tuple(a[::2] for a in (w, s, b)))]:
+            ours = qmm_ext.qmm(strided, *ws, 64, 4)
+            ref = qmm_ext.qmm(mx.contiguous(strided), *(mx.contiguous(a) for a in ws), 64, 4)
+            assert np.array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["exact", "int8"])
 @pytest.mark.parametrize("bits,gs,dtype", [(4, 32, mx.float32), (4, 64, mx.bfloat16), (8, 128, mx.float16),
                                            (8, 32, mx.float32), (2, 64, mx.float32)])
 def test_rows_bit_identical_across_row_counts(bits, gs, dtype, mode):

@@ -99,12 +99,12 @@ class Activation : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = claim_output(stream(), inputs, out);
-    const float* a = inputs[0].data<float>();
-    const float* b = inputs.size() > 1 ? inputs[1].data<float>() : nullptr;
     float* o = out.data<float>();
     const long n = long(out.size());
     const int op = op_;
-    enc.dispatch([a, b, o, n, op]() {
+    enc.dispatch([ra = RowMajor(inputs[0]), rb = inputs.size() > 1 ? RowMajor(inputs[1]) : RowMajor(), o, n, op]() {
+      const float* a = ra.get<float>();
+      const float* b = op == SWIGLU ? rb.get<float>() : nullptr;
       if (op == SIGMOID) run<SIGMOID>(a, b, o, n);
       else if (op == SILU) run<SILU>(a, b, o, n);
       else run<SWIGLU>(a, b, o, n);
@@ -131,8 +131,8 @@ mx::array activation(int op, const mx::array& a, const mx::array* b) {
   if (a.dtype() != mx::float32 || (b != nullptr && (b->dtype() != mx::float32 || b->shape() != a.shape())))
     throw std::invalid_argument("mtp activations: float32 inputs of one shape");
   auto s = mx::to_stream({});
-  std::vector<mx::array> in = {mx::contiguous(a, false, s)};
-  if (b != nullptr) in.push_back(mx::contiguous(*b, false, s));
+  std::vector<mx::array> in = {a};
+  if (b != nullptr) in.push_back(*b);
   return mx::array(a.shape(), mx::float32, std::make_shared<Activation>(s, op), std::move(in));
 }
 

@@ -151,11 +151,13 @@ class GatedDeltaSteps : public mx::Primitive {
     auto& enc = claim_outputs(stream(), inputs, outputs);
     const auto& q = inputs[0];
     const auto& v = inputs[2];
-    Job jb{q.data<float>(), inputs[1].data<float>(), v.data<float>(), inputs[3].data<float>(),
-           inputs[4].data<float>(), inputs[5].data<float>(), masked_ ? inputs[6].data<bool>() : nullptr,
+    Job jb{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
            outputs[0].data<float>(), {}, q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)};
     for (size_t i = 1; i < outputs.size(); i++) jb.states.push_back(outputs[i].data<float>());
-    enc.dispatch([jb]() {
+    std::vector<RowMajor> in(inputs.begin(), inputs.end());
+    enc.dispatch([jb, in = std::move(in), masked = masked_]() mutable {
+      jb.q = in[0].get<float>(), jb.k = in[1].get<float>(), jb.v = in[2].get<float>(), jb.g = in[3].get<float>();
+      jb.beta = in[4].get<float>(), jb.state = in[5].get<float>(), jb.mask = masked ? in[6].get<bool>() : nullptr;
       const long blocks = jb.Dv / 8, tasks = jb.B * jb.Hv * blocks;
       auto part = [&](int p, int parts) {
         std::vector<float> buf(size_t(16) * jb.Dk + 8);
@@ -211,9 +213,8 @@ std::vector<mx::array> gated_delta_steps(const mx::array& q, const mx::array& k,
   if (mask && (mask->dtype() != mx::bool_ || mask->shape() != mx::Shape{B, T}))
     throw std::invalid_argument("mtp gated delta: mask [B, T] bool");
   auto s = mx::to_stream({});
-  std::vector<mx::array> in;
-  for (const auto* a : {&q, &k, &v, &g, &beta, &state}) in.push_back(mx::contiguous(*a, false, s));
-  if (mask) in.push_back(mx::contiguous(*mask, false, s));
+  std::vector<mx::array> in = {q, k, v, g, beta, state};
+  if (mask) in.push_back(*mask);
   std::vector<mx::Shape> shapes = {v.shape()};
   std::vector<mx::Dtype> dtypes = {mx::float32};
   for (int i = 0; i < (all_states ? T : 1); i++) {

@@ -152,11 +152,12 @@ class QuantizedValueRows : public mx::UnaryPrimitive {
     const auto& bi = inputs[3];
     auto& enc = claim_output(stream(), inputs, out);
     const int st = scale_type(sc.dtype());
-    ValueJob jb{p.data<float>(), w.data<uint32_t>(), sc.data<char>(), bi.data<char>(), out.data<float>(),
+    ValueJob jb{nullptr, nullptr, nullptr, nullptr, out.data<float>(),
                 M_, p.shape(-1), w.shape(1), long(w.shape(2)) * 32 / bits_, gs_};
     const TaskFn fn = bits_ == 8 ? pick_st<8>(st) : pick_st<4>(st);
     const long E = w.shape(0);
-    enc.dispatch([jb, fn, E]() {
+    enc.dispatch([jb, fn, E, rp = RowMajor(p), rw = RowMajor(w), rs = RowMajor(sc), rb = RowMajor(bi)]() mutable {
+      jb.p = rp.get<float>(), jb.w = rw.get<uint32_t>(), jb.scales = rs.get<char>(), jb.biases = rb.get<char>();
       const long chunks = jb.D / DC, tasks = E * chunks;
       auto part = [&](int k, int parts) {
         for (long t = tasks * k / parts; t < tasks * (k + 1) / parts; t++) fn(jb, t / chunks, int(t % chunks) * DC);
@@ -205,8 +206,7 @@ mx::array quantized_values(const mx::array& p, const mx::array& w, const mx::arr
   if (rows_per_head < 1 || long(p.shape(0)) != long(w.shape(0)) * rows_per_head || p.shape(1) > w.shape(1))
     throw std::invalid_argument("mtp attention values: p's rows or keys do not match the values");
   auto s = mx::to_stream({});
-  std::vector<mx::array> in = {mx::contiguous(p, false, s), mx::contiguous(w, false, s),
-                               mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
+  std::vector<mx::array> in = {p, w, scales, biases};
   return mx::array(mx::Shape{p.shape(0), int(D)}, mx::float32,
                    std::make_shared<QuantizedValueRows>(s, group_size, bits, rows_per_head), std::move(in));
 }

@@ -585,6 +585,13 @@ void compute(const float* x, long xrows, int K, const uint32_t* w, const void* s
 
 // ------------------------------------------------------------------ primitives
 
+// x's leading dimensions, then W's rows.
+mx::Shape out_shape(const mx::array& x, const mx::array& w) {
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(-2);
+  return shape;
+}
+
 class QuantizedMatmulRows : public mx::UnaryPrimitive {
  public:
   // rows_per_pair == 0: dense (inputs x, w, scales, biases); otherwise gathered
@@ -596,25 +603,25 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
     const auto& sc = inputs[2];
-    const auto& bi = inputs[3];
     auto& enc = claim_output(stream(), inputs, out);
     const long K = x.shape(-1), xrows = x.size() / K, N = w.shape(-2);
     const int st = scale_type(sc.dtype());
     std::vector<std::pair<long, std::vector<int>>> tasks;
-    const uint32_t* idx = nullptr;
+    RowMajor indices;
     long pairs = 0;
     if (rpp_ == 0) {
       std::vector<int> rows(xrows);
       for (long m = 0; m < xrows; m++) rows[m] = int(m);
       tasks.emplace_back(0, std::move(rows));
     } else {
-      idx = inputs[4].data<uint32_t>();
+      indices = RowMajor(inputs[4]);
       pairs = inputs[4].size();
     }
-    enc.dispatch([x = x.data<float>(), w = w.data<uint32_t>(), sc = static_cast<const void*>(sc.data<char>()), bi = static_cast<const void*>(bi.data<char>()),
-                  o = out.data<float>(), idx, pairs, rpp = rpp_, E = rpp_ ? w.shape(0) : 1, tasks, xrows, K, N, st,
-                  gs = gs_, bits = bits_, int8 = int8_]() mutable {
-      if (idx != nullptr) {  // group the pairs' rows by expert (indices are read only now: computed upstream)
+    enc.dispatch([x = RowMajor(x), w = RowMajor(w), sc = RowMajor(sc), bi = RowMajor(inputs[3]), o = out.data<float>(),
+                  indices, pairs, rpp = rpp_, E = rpp_ ? w.shape(0) : 1, tasks, xrows, K, N, st, gs = gs_,
+                  bits = bits_, int8 = int8_]() mutable {
+      if (rpp > 0) {  // group the pairs' rows by expert (indices are read only now: computed upstream)
+        const uint32_t* idx = indices.get<uint32_t>();
         std::vector<std::vector<int>> by(E);
         for (long p = 0; p < pairs; p++) {
           const uint32_t e = idx[p];
@@ -626,7 +633,8 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
         for (long e = 0; e < E; e++)
           if (!by[e].empty()) tasks.emplace_back(e, std::move(by[e]));
       }
-      compute(x, xrows, int(K), w, sc, bi, st, N, gs, bits, int8, tasks, o);
+      compute(x.get<float>(), xrows, int(K), w.get<uint32_t>(), sc.get<char>(), bi.get<char>(), st, N, gs, bits, int8,
+              tasks, o);
     });
   }
 
@@ -644,8 +652,7 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const auto& x = inputs[0];
-    return {mx::Shape{int(x.size() / x.shape(-1)), inputs[1].shape(-2)}};
+    return {out_shape(inputs[0], inputs[1])};
   }
 
  private:
@@ -667,16 +674,13 @@ void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx
   scale_type(sc.dtype());
 }
 
-// x [M, K] float32 -> [M, N] float32.
+// x [..., K] float32 -> [..., N] float32 (the inputs as they are: RowMajor packs any strided one).
 mx::array qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                    int group_size, int bits, bool int8) {
   check(x, w, scales, biases, group_size, bits, 2);
   auto s = mx::to_stream({});
-  std::vector<mx::array> in = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
-                               mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
-  const int M = x.size() / x.shape(-1);
-  return mx::array(mx::Shape{M, w.shape(0)}, mx::float32,
-                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0, int8), std::move(in));
+  return mx::array(out_shape(x, w), mx::float32, std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0, int8),
+                   {x, w, scales, biases});
 }
 
 // x [P * rows_per_pair, K] float32, indices [P] (expert of each pair) -> [P * rows_per_pair, N].
@@ -686,12 +690,10 @@ mx::array gather_qmm_rows(const mx::array& x, const mx::array& w, const mx::arra
   if (rows_per_pair < 1 || long(indices.size()) * rows_per_pair != long(x.size() / x.shape(-1)))
     throw std::invalid_argument("mtp gather qmm: x rows != indices * rows_per_pair");
   auto s = mx::to_stream({});
-  std::vector<mx::array> in = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
-                               mx::contiguous(scales, false, s), mx::contiguous(biases, false, s),
-                               mx::contiguous(mx::astype(mx::flatten(indices, s), mx::uint32, s), false, s)};
-  const int M = x.size() / x.shape(-1);
-  return mx::array(mx::Shape{M, w.shape(1)}, mx::float32,
-                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, rows_per_pair, int8), std::move(in));
+  auto idx = indices.dtype() == mx::uint32 ? indices : mx::astype(indices, mx::uint32, s);
+  return mx::array(out_shape(x, w), mx::float32,
+                   std::make_shared<QuantizedMatmulRows>(s, group_size, bits, rows_per_pair, int8),
+                   {x, w, scales, biases, idx});
 }
 
 bool cpu_supported() {
