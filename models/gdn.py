@@ -17,7 +17,6 @@ order, so plain decoding stays bit-identical to mlx-lm, and adds:
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Optional, Tuple
 
 import mlx.core as mx
@@ -35,7 +34,6 @@ from .mlx_lm_compat import (
     compute_g,
     gated_delta_step_ops,
     gated_delta_update,
-    normalize_qk,
 )
 from .quantized_layers import DecodeQuantizedLinear
 
@@ -62,22 +60,6 @@ def _metal_kernel_available(head_k_dim: int) -> bool:
         and head_k_dim >= 32
         and head_k_dim % 32 == 0
     )
-
-
-@partial(mx.compile, shapeless=True)
-def _weighted_sum(*xw: mx.array) -> mx.array:
-    """x0 * w0 + x1 * w1 + ... for arguments (x0, w0, x1, w1, ...), in one fused loop."""
-    out = xw[0] * xw[1]
-    for i in range(2, len(xw), 2):
-        out = out + xw[i] * xw[i + 1]
-    return out
-
-
-def _depthwise_conv(x: mx.array, weight: mx.array) -> mx.array:
-    """mlx-lm's depthwise `conv1d` (no padding, weight [C, K, 1]) as K shifted
-    multiply-adds: 1.6 ns an output here, MLX's CPU conv kernel 25 ns (measured)."""
-    K, S = weight.shape[1], x.shape[1] - weight.shape[1] + 1
-    return _weighted_sum(*(t for j in range(K) for t in (x[:, j : j + S], weight[:, j, 0])))
 
 
 class StackedStates:
@@ -211,9 +193,9 @@ class CapturingGatedDeltaNetMixin:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if fast:
-            conv_out = fast_math.silu(_depthwise_conv(conv_input, self.conv1d.weight))
+            conv_out = fast_math.silu(activations.depthwise_conv(conv_input, self.conv1d.weight))
         elif S <= DECODE_CONV_MAX_TOKENS and mx.default_device() == mx.cpu:
-            conv_out = activations.silu(_depthwise_conv(conv_input, self.conv1d.weight))
+            conv_out = activations.depthwise_conv_silu(conv_input, self.conv1d.weight)
         else:
             conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = [
@@ -224,7 +206,7 @@ class CapturingGatedDeltaNetMixin:
                 [self.head_k_dim, self.head_k_dim, self.head_v_dim],
             )
         ]
-        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        q, k = activations.normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
 
         native = None if chunked else native_recurrence()
         if capture or chunked or native is not None:  # (gated_delta_update computes them itself)

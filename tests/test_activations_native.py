@@ -9,6 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.activations import precise_swiglu, swiglu
+from mlx_lm.models.gated_delta import normalize_qk as mlx_lm_normalize_qk
 
 from mtp_serve.models import activations
 
@@ -62,6 +63,46 @@ def test_layer_swaps_keep_mlx_lm_outputs():
     assert type(mlp) is activations.NativeMLP and type(norm) is activations.NativeRMSNormGated
     assert _same(mlp(x), ref_mlp) and _same(norm(h, gate), ref_norm)
     assert _same(norm(h, gate), precise_swiglu(h, gate, mx.fast.rms_norm(h, norm.weight, norm.eps)))
+
+
+@pytest.mark.parametrize("n", [7, 128, 1024, 2560])
+def test_rms_norm_bits_of_mx_fast(n):
+    """One node with mx.fast.rms_norm's bits (its CPU fallback's three), compiled or not, with and
+    without a weight, at widths whose 1/N is inexact, tiny and large magnitudes, zero rows;
+    mlx-lm's normalize_qk rebuilt on it gives its bits too."""
+    mx.random.seed(n)
+    w = 1 + 0.1 * mx.random.normal((n,))
+    for x in (mx.random.normal((3, 5, n)), 1e-4 * mx.random.normal((4, n)), 40 * mx.random.normal((1, n)).T.T,
+              mx.zeros((2, n)), mx.random.normal((n, 6)).T):
+        for weight, eps in ((w, 1e-6), (None, 1e-6 / 128)):
+            ref = mx.fast.rms_norm(x, weight, eps)
+            assert _same(ext.rms_norm(x, weight, eps), ref)
+            assert _same(mx.compile(lambda a: ext.rms_norm(a, weight, eps))(x), mx.compile(lambda a: mx.fast.rms_norm(a, weight, eps))(x))
+    q, k = mx.random.normal((1, 4, 2, 128)), mx.random.normal((1, 4, 2, 128))
+    for ours, theirs in zip(activations.normalize_qk(q, k, inv_scale=128**-0.5, eps=1e-6),
+                            mlx_lm_normalize_qk(q, k, inv_scale=128**-0.5, eps=1e-6)):
+        assert _same(ours, theirs)
+    norm = nn.RMSNorm(n)
+    norm.weight = w
+    x = mx.random.normal((2, n))
+    ref = norm(x)
+    assert activations.install_native_activations(norm) == 1 and type(norm) is activations.NativeRMSNorm
+    assert _same(norm(x), ref)
+    with pytest.raises(ValueError, match="float32"):
+        ext.rms_norm(x, mx.ones(n + 1), 1e-6)
+
+
+@pytest.mark.parametrize("B,L,C,K", [(1, 4, 6144, 4), (2, 11, 40, 4), (3, 5, 13, 2)])
+def test_conv_silu_bits_of_the_decode_conv(B, L, C, K):
+    """The GatedDeltaNet decode conv + SiLU in one node: the bits of the shifted multiply-adds and
+    MLX's SiLU it replaces, channel tails and strided inputs included."""
+    mx.random.seed(C)
+    x, w = mx.random.normal((B, L, C)), 0.5 * mx.random.normal((C, K, 1))
+    ref = nn.silu(activations.depthwise_conv(x, w))
+    assert _same(ext.conv_silu(x, w), ref) and _same(activations.depthwise_conv_silu(x, w), ref)
+    assert _same(ext.conv_silu(x[:, ::-1], w), nn.silu(activations.depthwise_conv(x[:, ::-1], w)))
+    with pytest.raises(ValueError, match="conv silu"):
+        ext.conv_silu(x[:, : K - 1], w)
 
 
 def test_mlx_computes_what_the_kernel_does_not_take(monkeypatch):

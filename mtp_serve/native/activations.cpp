@@ -14,13 +14,16 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -136,6 +139,161 @@ mx::array activation(int op, const mx::array& a, const mx::array* b) {
   return mx::array(a.shape(), mx::float32, std::make_shared<Activation>(s, op), std::move(in));
 }
 
+// ------------------------------------------------------------------ RMS norm
+
+// mx.fast.rms_norm on CPU is its fallback graph, three nodes a call (Square, Sum, and a fused
+// multiply-add-rsqrt-multiply), and a decode step makes ~115 calls (every layer's two norms,
+// the GatedDeltaNet q/k normalization, the attention q/k norms). One node here, the same
+// operations in the same order: each square rounded, summed from 0 in ascending order (MLX's
+// CPU reduction on x86, SIMD width 1), times 1/N, plus eps, 1 / sqrt (IEEE, as MLX's rsqrt),
+// then x * r, then * w, then * scale (mlx-lm's normalize_qk scales the normalized q and k).
+void rms_rows(const float* x, const float* w, float* out, long rows, long n, float inv_n, float eps, float scale) {
+  const bool scaled = scale != 1.0f;
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (long r = 0; r < rows; r++) {
+    const float* xr = x + r * n;
+    float ss = 0.0f;
+    for (long i = 0; i < n; i++) {
+      const float sq = xr[i] * xr[i];
+      ss = ss + sq;
+    }
+    const float t = ss * inv_n + eps;
+    const float rs = 1.0f / std::sqrt(t);
+    const __m256 vr = _mm256_set1_ps(rs);
+    float* o = out + r * n;
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 y = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vr);
+      if (w != nullptr) y = _mm256_mul_ps(y, _mm256_loadu_ps(w + i));
+      if (scaled) y = _mm256_mul_ps(y, vs);
+      _mm256_storeu_ps(o + i, y);
+    }
+    for (; i < n; i++) {
+      float y = xr[i] * rs;
+      if (w != nullptr) y = y * w[i];
+      o[i] = scaled ? y * scale : y;
+    }
+  }
+}
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream s, float eps, float scale) : mx::UnaryPrimitive(s), eps_(eps), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = claim_output(stream(), inputs, out);
+    const long n = out.shape(-1), rows = n ? long(out.size()) / n : 0;
+    // MLX's mean multiplies by 1/N computed in double and rounded to float32.
+    const float inv_n = float(1.0 / double(n)), eps = eps_, scale = scale_;
+    enc.dispatch([rx = RowMajor(inputs[0]), rw = inputs.size() > 1 ? RowMajor(inputs[1]) : RowMajor(),
+                  o = out.data<float>(), rows, n, inv_n, eps, scale, weighted = inputs.size() > 1]() {
+      rms_rows(rx.get<float>(), weighted ? rw.get<float>() : nullptr, o, rows, n, inv_n, eps, scale);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp rms norm: CPU only");
+  }
+
+  const char* name() const override { return "MtpRMSNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RMSNorm&>(other);
+    return eps_ == o.eps_ && scale_ == o.scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_, scale_;
+};
+
+// x [..., N] float32, weight [N] float32 or None -> the bits of mx.fast.rms_norm(x, weight, eps) * scale
+// (the product only where scale != 1).
+mx::array rms_norm(const mx::array& x, std::optional<mx::array> weight, float eps, float scale) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1 ||
+      (weight && (weight->dtype() != mx::float32 || weight->ndim() != 1 || weight->shape(0) != x.shape(-1))))
+    throw std::invalid_argument("mtp rms norm: float32 x [..., N] and weight [N]");
+  auto s = mx::to_stream({});
+  std::vector<mx::array> in = {x};
+  if (weight) in.push_back(*weight);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(s, eps, scale), std::move(in));
+}
+
+// ------------------------------------------------------------------ depthwise conv + SiLU
+
+// A GatedDeltaNet decode step's conv: out[b, s, c] = silu(sum_j x[b, s + j, c] * w[c, j]) over
+// the K taps, as models/gdn.py's `_depthwise_conv` (products rounded, added from tap 0 up; MLX's
+// compiled CPU kernels do not fuse multiply-adds) then `nn.silu` (this file's sigmoid). One node
+// instead of the taps' slices of x and of the weight, the fused sum and the SiLU (14 a layer).
+void conv_silu_rows(const float* x, const float* w, float* out, long B, long L, long C, long K) {
+  const long S = L - K + 1;
+  alignas(32) float tw[16][8];
+  alignas(32) float tx[8], to[8];
+  for (long c = 0; c < C; c += 8) {
+    const long nc = std::min<long>(8, C - c);
+    for (long j = 0; j < K; j++)
+      for (long l = 0; l < 8; l++) tw[j][l] = l < nc ? w[(c + l) * K + j] : 0.0f;
+    for (long b = 0; b < B; b++)
+      for (long s0 = 0; s0 < S; s0++) {
+        const float* xs = x + (b * L + s0) * C + c;
+        auto load = [&](long j) {
+          if (nc == 8) return _mm256_loadu_ps(xs + j * C);
+          for (long l = 0; l < 8; l++) tx[l] = l < nc ? xs[j * C + l] : 0.0f;
+          return _mm256_load_ps(tx);
+        };
+        __m256 acc = _mm256_mul_ps(load(0), _mm256_load_ps(tw[0]));
+        for (long j = 1; j < K; j++) acc = _mm256_add_ps(acc, _mm256_mul_ps(load(j), _mm256_load_ps(tw[j])));
+        const __m256 y = _mm256_mul_ps(acc, sigmoid_mlx(acc));
+        float* o = out + (b * S + s0) * C + c;
+        if (nc == 8) {
+          _mm256_storeu_ps(o, y);
+        } else {
+          _mm256_store_ps(to, y);
+          for (long l = 0; l < nc; l++) o[l] = to[l];
+        }
+      }
+  }
+}
+
+class ConvSilu : public mx::UnaryPrimitive {
+ public:
+  explicit ConvSilu(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = claim_output(stream(), inputs, out);
+    const auto& x = inputs[0];
+    enc.dispatch([rx = RowMajor(x), rw = RowMajor(inputs[1]), o = out.data<float>(), B = long(x.shape(0)),
+                  L = long(x.shape(1)), C = long(x.shape(2)), K = long(inputs[1].shape(1))]() {
+      conv_silu_rows(rx.get<float>(), rw.get<float>(), o, B, L, C, K);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp conv silu: CPU only");
+  }
+
+  const char* name() const override { return "MtpConvSilu"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& x = inputs[0];
+    return {mx::Shape{x.shape(0), x.shape(1) - inputs[1].shape(1) + 1, x.shape(2)}};
+  }
+};
+
+// x [B, L, C], weight [C, K, 1] (mlx-lm's depthwise conv1d weight), float32, 1 <= K <= 16, L >= K.
+mx::array conv_silu(const mx::array& x, const mx::array& weight) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() != 3 || weight.ndim() != 3 ||
+      weight.shape(0) != x.shape(2) || weight.shape(2) != 1 || weight.shape(1) < 1 || weight.shape(1) > 16 ||
+      x.shape(1) < weight.shape(1))
+    throw std::invalid_argument("mtp conv silu: float32 x [B, L, C] and weight [C, K <= 16, 1] with L >= K");
+  auto s = mx::to_stream({});
+  return mx::array(mx::Shape{x.shape(0), x.shape(1) - weight.shape(1) + 1, x.shape(2)}, mx::float32,
+                   std::make_shared<ConvSilu>(s), {x, weight});
+}
+
 }  // namespace act
 
 // Called from quantized_matmul.cpp's module definition.
@@ -144,4 +302,6 @@ void register_activations(nb::module_& m) {
   m.def("silu", [](const mx::array& x) { return act::activation(act::SILU, x, nullptr); }, "x"_a);
   m.def("swiglu", [](const mx::array& gate, const mx::array& x) { return act::activation(act::SWIGLU, gate, &x); },
         "gate"_a, "x"_a);
+  m.def("rms_norm", &act::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, "scale"_a = 1.0f);
+  m.def("conv_silu", &act::conv_silu, "x"_a, "weight"_a);
 }
