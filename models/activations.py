@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mtp_serve import quantized_matmul as qmm_ext
 
 from .mlx_lm_compat import Qwen3NextMLP, Qwen3NextRMSNormGated, SwiGLU, precise_swiglu, swiglu as mlx_swiglu
+from .quantized_layers import project
 
 # False: MLX's ops (benchmarks compare).
 NATIVE = True
@@ -103,7 +104,7 @@ class NativeRMSNorm(nn.RMSNorm):
 
 class NativeMLP(Qwen3NextMLP):
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*project(x, [self.gate_proj, self.up_proj])))
 
 
 class NativeRMSNormGated(Qwen3NextRMSNormGated):

@@ -35,7 +35,7 @@ from .mlx_lm_compat import (
     gated_delta_step_ops,
     gated_delta_update,
 )
-from .quantized_layers import DecodeQuantizedLinear
+from .quantized_layers import DecodeQuantizedLinear, project
 
 # Inputs at least this long take the chunked path where no Metal kernel runs: its
 # operation count does not grow with the length, the per-token loop's does (a
@@ -271,14 +271,14 @@ def store_step(cache: Any, conv_input: mx.array, state: Any, S: int, capture: bo
 class Qwen35GatedDeltaNet(CapturingGatedDeltaNetMixin, Qwen35GatedDeltaNetBase):
     def project(self, x):
         B, S, _ = x.shape
-        z = self.in_proj_z(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = project(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        return qkv, z.reshape(B, S, self.num_v_heads, self.head_v_dim), b, a
 
 
 class Qwen3NextGatedDeltaNet(CapturingGatedDeltaNetMixin, Qwen3NextGatedDeltaNetBase):
     def project(self, x):
         B, S, _ = x.shape
-        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(*project(x, [self.in_proj_qkvz, self.in_proj_ba]))
         qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
         return qkv, z, b, a
 

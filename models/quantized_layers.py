@@ -20,7 +20,7 @@ as before. Works inside mx.compile (the kernel is an MLX primitive).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, List
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,6 +85,22 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def project(x: mx.array, layers: List[nn.Module]) -> List[mx.array]:
+    """`[layer(x) for layer in layers]`, as one kernel call where every layer is a kernel-sized
+    `DecodeQuantizedLinear` of one group size, bits and scale dtype without a bias (a
+    GatedDeltaNet's four input projections, an attention's q/k/v, an MLP's gate and up)."""
+    first = layers[0]
+    rows = _rows(x)
+    if len(layers) > 1 and all(
+        type(l) is DecodeQuantizedLinear and "bias" not in l and _takes(l, x, rows)
+        and (l.group_size, l.bits, l["scales"].dtype) == (first.group_size, first.bits, first["scales"].dtype)
+        for l in layers
+    ):
+        return qmm_ext.qmm_multi(x, [(l["weight"], l["scales"], l["biases"]) for l in layers], first.group_size,
+                                 first.bits)
+    return [layer(x) for layer in layers]
 
 
 class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):

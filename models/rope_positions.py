@@ -24,6 +24,8 @@ from typing import Any, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .quantized_layers import project
+
 
 @dataclass(frozen=True)
 class RopePositions:
@@ -42,8 +44,8 @@ def attention_projections(layer: nn.Module, x: mx.array) -> Tuple[mx.array, mx.a
     attn = layer.self_attn
     B, L, _ = x.shape
     h = layer.input_layernorm(x)
-    queries, gate = mx.split(attn.q_proj(h).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    keys, values = attn.k_proj(h), attn.v_proj(h)
+    queries, keys, values = project(h, [attn.q_proj, attn.k_proj, attn.v_proj])
+    queries, gate = mx.split(queries.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
     queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
     keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)

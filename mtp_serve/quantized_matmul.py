@@ -250,6 +250,14 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
 
 
+def qmm_multi(x: mx.array, weights: list, group_size: int, bits: int) -> list:
+    """`qmm` of one x against several (w, scales, biases) of one K, group size, bits and scale
+    dtype: one node and one dispatch to the threads, each result the bits of its own `qmm`."""
+    xf = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    ys = _EXT.qmm_rows_multi(xf, [tuple(t) for t in weights], group_size, bits, numerics() == "int8")
+    return ys if x.dtype == mx.float32 else [y.astype(x.dtype) for y in ys]
+
+
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, indices: mx.array,
                group_size: int, bits: int) -> mx.array:
     """`mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...)` on the kernel:

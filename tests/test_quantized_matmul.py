@@ -36,6 +36,7 @@ from mtp_serve.models.quantized_layers import (
     DecodeQuantizedLinear,
     DecodeQuantizedSwitchLinear,
     install_decode_qmm,
+    project,
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
 from mtp_serve.testing.synthetic import FAMILIES
@@ -151,6 +152,35 @@ def test_x_dtypes_and_batch_shapes(exact):
         assert y.dtype == dtype and y.shape == (2, 3, 64)
         ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
         assert mx.allclose(y.astype(mx.float32), ref, atol=3e-2 * mx.abs(ref).max().item()).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["exact", "int8"])
+@pytest.mark.parametrize("bits,gs,dtype", [(4, 64, mx.float32), (8, 32, mx.bfloat16)])
+def test_several_products_of_one_x_in_one_call(bits, gs, dtype, mode):
+    """A GatedDeltaNet's input projections (or q/k/v, gate/up) in one call: each result has the
+    bits of its own product, for 1-8 rows; project() falls back to the layers one by one where
+    they differ, and a bad weight is refused."""
+    ws = [_quantized(N, 256, bits, gs, dtype, seed=N) for N in (96, 32, 8, 8)]
+    with numerics(mode):
+        for M in (1, 4, 8):
+            x = mx.random.normal((1, M, 256))
+            for ours, (w, s, b) in zip(qmm_ext.qmm_multi(x, ws, gs, bits), ws):
+                assert ours.shape == (1, M, w.shape[0])
+                assert np.array_equal(np.asarray(ours), np.asarray(qmm_ext.qmm(x, w, s, b, gs, bits)))
+        layers = []
+        for (w, s, b) in ws:
+            lin = DecodeQuantizedLinear(256, w.shape[0], bias=False, group_size=gs, bits=bits)
+            lin.weight, lin.scales, lin.biases = w, s, b
+            layers.append(lin)
+        x = mx.random.normal((2, 3, 256))
+        separate = [lin(x) for lin in layers]
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(project(x, layers), separate))
+        other = nn.Linear(256, 8)
+        mixed = project(x, layers[:2] + [other])
+        assert np.array_equal(np.asarray(mixed[2]), np.asarray(other(x)))
+        with pytest.raises(ValueError):
+            qmm_ext.qmm_multi(x, [ws[0], (ws[1][0][:, :16], ws[1][1], ws[1][2])], gs, bits)
 
 
 @needs_kernel

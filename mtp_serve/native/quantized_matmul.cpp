@@ -54,9 +54,12 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -543,10 +546,20 @@ std::atomic<long> busy_ns{0};  // time inside the kernel (benchmarks: its share 
 
 // ------------------------------------------------------------------ compute
 
-// tasks: (expert, rows routed to it); every task has N rows of W.
-void compute(const float* x, long xrows, int K, const uint32_t* w, const void* scales, const void* biases, int st,
-             long N, int gs, int bits, bool int8, const std::vector<std::pair<long, std::vector<int>>>& tasks,
-             float* out) {
+// One product's share of a call: N rows of W, the rows of x they meet, and where the results go
+// (out[rows[m] * N + n]). A dense product is one segment; gathered experts one per expert with
+// rows routed to it; several products of one x (q/k/v, gate/up) one each, sharing the prepared x
+// and one dispatch to the threads.
+struct Segment {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  long N;
+  std::vector<int> rows;
+  float* out;
+};
+
+void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool int8, const std::vector<Segment>& segs) {
   const auto t0 = std::chrono::steady_clock::now();
   Prep prep;
   PrepI8 prep8;
@@ -555,24 +568,15 @@ void compute(const float* x, long xrows, int K, const uint32_t* w, const void* s
   else prep.build(x, xrows, K, gs, bits);
   const SpanFn fn = int8 ? pick_int(bits, st, gs) : pick(bits, st, gs);
   const void* pp = int8 ? static_cast<const void*>(&prep8) : static_cast<const void*>(&prep);
-  const long Kw = K / (32 / bits), G = K / gs;
-  const size_t ssz = st == F32 ? 4 : 2;
-  const long units = N * long(tasks.size());
+  long units = 0;
+  for (const auto& sg : segs) units += sg.N;
   auto part = [&](int p, int parts) {
     const long u0 = units * p / parts, u1 = units * (p + 1) / parts;
-    for (long u = u0; u < u1;) {
-      const long t = u / N, n0 = u % N, n1 = std::min(N, n0 + (u1 - u));
-      const long e = tasks[t].first;
-      Job jb{pp,
-             w + size_t(e) * N * Kw,
-             static_cast<const char*>(scales) + size_t(e) * N * G * ssz,
-             static_cast<const char*>(biases) + size_t(e) * N * G * ssz,
-             tasks[t].second.data(),
-             int(tasks[t].second.size()),
-             N,
-             out};
-      fn(jb, n0, n1);
-      u += n1 - n0;
+    long base = 0;  // the first unit of segment i
+    for (const auto& sg : segs) {
+      const long n0 = std::max(u0, base) - base, n1 = std::min(u1, base + sg.N) - base;
+      if (n0 < n1) fn(Job{pp, sg.w, sg.scales, sg.biases, sg.rows.data(), int(sg.rows.size()), sg.N, sg.out}, n0, n1);
+      base += sg.N;
     }
   };
   const long work = units * K;
@@ -581,6 +585,12 @@ void compute(const float* x, long xrows, int K, const uint32_t* w, const void* s
   calls.fetch_add(1, std::memory_order_relaxed);
   busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
                     std::memory_order_relaxed);
+}
+
+std::vector<int> all_rows(long n) {
+  std::vector<int> rows(n);
+  for (long m = 0; m < n; m++) rows[m] = int(m);
+  return rows;
 }
 
 // ------------------------------------------------------------------ primitives
@@ -604,23 +614,19 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
     const auto& w = inputs[1];
     const auto& sc = inputs[2];
     auto& enc = claim_output(stream(), inputs, out);
-    const long K = x.shape(-1), xrows = x.size() / K, N = w.shape(-2);
+    const long K = x.shape(-1), xrows = x.size() / K, N = w.shape(-2), G = K / gs_;
     const int st = scale_type(sc.dtype());
-    std::vector<std::pair<long, std::vector<int>>> tasks;
-    RowMajor indices;
-    long pairs = 0;
-    if (rpp_ == 0) {
-      std::vector<int> rows(xrows);
-      for (long m = 0; m < xrows; m++) rows[m] = int(m);
-      tasks.emplace_back(0, std::move(rows));
-    } else {
-      indices = RowMajor(inputs[4]);
-      pairs = inputs[4].size();
-    }
+    const size_t ssz = st == F32 ? 4 : 2;
     enc.dispatch([x = RowMajor(x), w = RowMajor(w), sc = RowMajor(sc), bi = RowMajor(inputs[3]), o = out.data<float>(),
-                  indices, pairs, rpp = rpp_, E = rpp_ ? w.shape(0) : 1, tasks, xrows, K, N, st, gs = gs_,
-                  bits = bits_, int8 = int8_]() mutable {
-      if (rpp > 0) {  // group the pairs' rows by expert (indices are read only now: computed upstream)
+                  indices = rpp_ ? RowMajor(inputs[4]) : RowMajor(), pairs = rpp_ ? long(inputs[4].size()) : 0L,
+                  rpp = rpp_, E = rpp_ ? long(w.shape(0)) : 1L, xrows, K, N, G, st, ssz, gs = gs_, bits = bits_,
+                  int8 = int8_]() {
+      const uint32_t* wp = w.get<uint32_t>();
+      const char *sp = sc.get<char>(), *bp = bi.get<char>();
+      std::vector<Segment> segs;
+      if (rpp == 0) {
+        segs.push_back({wp, sp, bp, N, all_rows(xrows), o});
+      } else {  // group the pairs' rows by expert (indices are read only now: computed upstream)
         const uint32_t* idx = indices.get<uint32_t>();
         std::vector<std::vector<int>> by(E);
         for (long p = 0; p < pairs; p++) {
@@ -630,11 +636,13 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
             else std::fill(o + (p * rpp + r) * N, o + (p * rpp + r + 1) * N, 0.0f);  // out of range: zeros
           }
         }
+        const long Kw = K / (32 / bits);
         for (long e = 0; e < E; e++)
-          if (!by[e].empty()) tasks.emplace_back(e, std::move(by[e]));
+          if (!by[e].empty())
+            segs.push_back({wp + size_t(e) * N * Kw, sp + size_t(e) * N * G * ssz, bp + size_t(e) * N * G * ssz, N,
+                            std::move(by[e]), o});
       }
-      compute(x.get<float>(), xrows, int(K), w.get<uint32_t>(), sc.get<char>(), bi.get<char>(), st, N, gs, bits, int8,
-              tasks, o);
+      compute(x.get<float>(), xrows, int(K), st, gs, bits, int8, segs);
     });
   }
 
@@ -660,6 +668,52 @@ class QuantizedMatmulRows : public mx::UnaryPrimitive {
   bool int8_;
 };
 
+// Several products of one x (inputs x, then w, scales, biases of each): one node, x prepared
+// once, one dispatch to the threads. Each output's bits are its single product's.
+class QuantizedMatmulMulti : public mx::Primitive {
+ public:
+  QuantizedMatmulMulti(mx::Stream s, int group_size, int bits, bool int8)
+      : mx::Primitive(s), gs_(group_size), bits_(bits), int8_(int8) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = claim_outputs(stream(), inputs, outputs);
+    const auto& x = inputs[0];
+    const long K = x.shape(-1), xrows = x.size() / K;
+    const int st = scale_type(inputs[2].dtype());
+    std::vector<RowMajor> in(inputs.begin(), inputs.end());
+    std::vector<std::pair<long, float*>> outs;
+    for (size_t i = 0; i < outputs.size(); i++) outs.emplace_back(inputs[1 + 3 * i].shape(0), outputs[i].data<float>());
+    enc.dispatch([in = std::move(in), outs, xrows, K, st, gs = gs_, bits = bits_, int8 = int8_]() {
+      std::vector<Segment> segs;
+      for (size_t i = 0; i < outs.size(); i++)
+        segs.push_back({in[1 + 3 * i].get<uint32_t>(), in[2 + 3 * i].get<char>(), in[3 + 3 * i].get<char>(),
+                        outs[i].first, all_rows(xrows), outs[i].second});
+      compute(in[0].get<float>(), xrows, int(K), st, gs, bits, int8, segs);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mtp qmm: CPU only");
+  }
+
+  const char* name() const override { return int8_ ? "MtpQMMMultiInt8" : "MtpQMMMulti"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmulMulti&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_ && int8_ == o.int8_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 1; i < inputs.size(); i += 3) shapes.push_back(out_shape(inputs[0], inputs[i]));
+    return shapes;
+  }
+
+ private:
+  int gs_, bits_;
+  bool int8_;
+};
+
 void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::array& bi, int gs, int bits,
            int wdims) {
   if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument("mtp qmm: bits must be 2, 4 or 8");
@@ -681,6 +735,26 @@ mx::array qmm_rows(const mx::array& x, const mx::array& w, const mx::array& scal
   auto s = mx::to_stream({});
   return mx::array(out_shape(x, w), mx::float32, std::make_shared<QuantizedMatmulRows>(s, group_size, bits, 0, int8),
                    {x, w, scales, biases});
+}
+
+// x [..., K] float32 against several packed weights of one K, group size, bits and scale dtype
+// -> one [..., N_i] float32 each.
+std::vector<mx::array> qmm_rows_multi(const mx::array& x, const std::vector<std::tuple<mx::array, mx::array, mx::array>>& ws,
+                                      int group_size, int bits, bool int8) {
+  if (ws.empty()) throw std::invalid_argument("mtp qmm: no weights");
+  std::vector<mx::array> in = {x};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& [w, sc, bi] : ws) {
+    check(x, w, sc, bi, group_size, bits, 2);
+    if (sc.dtype() != std::get<1>(ws[0]).dtype()) throw std::invalid_argument("mtp qmm: one scale dtype for all weights");
+    in.insert(in.end(), {w, sc, bi});
+    shapes.push_back(out_shape(x, w));
+    dtypes.push_back(mx::float32);
+  }
+  auto s = mx::to_stream({});
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<QuantizedMatmulMulti>(s, group_size, bits, int8), std::move(in));
 }
 
 // x [P * rows_per_pair, K] float32, indices [P] (expert of each pair) -> [P * rows_per_pair, N].
@@ -713,6 +787,7 @@ void register_activations(nb::module_& m);
 NB_MODULE(_mtp_qmm, m) {
   m.doc() = "mtp-serve's decode-sized quantized matmuls (CPU, AVX2/FMA)";
   m.def("qmm_rows", &qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, "int8"_a = false);
+  m.def("qmm_rows_multi", &qmm_rows_multi, "x"_a, "weights"_a, "group_size"_a, "bits"_a, "int8"_a = false);
   m.def("gather_qmm_rows", &gather_qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, "rows_per_pair"_a,
         "group_size"_a, "bits"_a, "int8"_a = false);
   m.def("cpu_supported", &cpu_supported);
