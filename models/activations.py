@@ -1,5 +1,5 @@
-"""Sigmoid, SiLU, SwiGLU, RMS norm and the GatedDeltaNet conv on mtp-serve's native CPU
-kernel, with MLX's bits.
+"""Sigmoid, SiLU, SwiGLU, RMS norm, RoPE and the GatedDeltaNet conv on mtp-serve's native
+CPU kernel, with MLX's bits.
 
 MLX's CPU sigmoid runs its exp one element at a time on x86 (13-19 ns an element, about
 3.5 ms of activations a token at Qwen3.5-0.8B's shapes, a sixth of a 4-token verify
@@ -7,20 +7,21 @@ window); `mtp_serve/native/activations.cpp` computes the same operations eight l
 a time and gives the same bits (tests/test_activations_native.py). Where the kernel is
 not built, not on the CPU, or for dtypes other than float32, MLX's own ops compute.
 
-`mx.fast.rms_norm` on CPU is its fallback graph, three nodes a call (~115 calls a decode
-step); the kernel's `rms_norm` is one node with the same operations in the same order.
+`mx.fast.rms_norm` and `mx.fast.rope` on CPU are their fallback graphs, three nodes a
+call (~115 calls a decode step) and ~12 (12 calls); the kernel's are one node each with
+the same operations in the same order.
 Fewer nodes matter here: MLX spends ~5 us of the main thread on each node of a step's
 graph, on a 2-core machine whose cores the quantized products keep busy.
 
-`install_native_activations` swaps mlx-lm's MLP, RMS norm and gated RMS norm classes (by
-instance, as the GatedDeltaNet swap) and the MoE experts' SwiGLU to subclasses that call
+`install_native_activations` swaps mlx-lm's MLP, RMS norm, RoPE and gated RMS norm classes
+(by instance, as the GatedDeltaNet swap) and the MoE experts' SwiGLU to subclasses that call
 these; their weights and names stay mlx-lm's. Issue 23.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,6 +103,18 @@ class NativeRMSNorm(nn.RMSNorm):
         return rms_norm(x, self["weight"], self.eps)
 
 
+class NativeRoPE(nn.RoPE):
+    """`nn.RoPE` (non-traditional, its default frequencies) as one node: `mx.fast.rope` on CPU is
+    its fallback graph, ~12 nodes a call."""
+
+    def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
+        off = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+        ext = _native(x) if x.ndim == 4 and not self.traditional and off.dtype == mx.int32 and off.ndim <= 1 else None
+        if ext is None:
+            return super().__call__(x, offset)
+        return ext.rope(x, self.dims, self.base, self.scale, off)
+
+
 class NativeMLP(Qwen3NextMLP):
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(*project(x, [self.gate_proj, self.up_proj])))
@@ -123,11 +136,11 @@ class NativeSwiGLU(SwiGLU):
 
 
 _REPLACEMENTS = {Qwen3NextMLP: NativeMLP, Qwen3NextRMSNormGated: NativeRMSNormGated, SwiGLU: NativeSwiGLU,
-                 nn.RMSNorm: NativeRMSNorm}
+                 nn.RMSNorm: NativeRMSNorm, nn.RoPE: NativeRoPE}
 
 
 def install_native_activations(*modules: Optional[nn.Module]) -> int:
-    """Swap every mlx-lm MLP, RMS norm, gated RMS norm and expert SwiGLU inside `modules`; returns the count."""
+    """Swap every mlx-lm MLP, RMS norm, RoPE, gated RMS norm and expert SwiGLU inside `modules`; returns the count."""
     n = 0
     for module in modules:
         if module is None:

@@ -105,6 +105,29 @@ def test_conv_silu_bits_of_the_decode_conv(B, L, C, K):
         ext.conv_silu(x[:, : K - 1], w)
 
 
+@pytest.mark.parametrize("B,H,T,D,dims,base", [(1, 8, 1, 256, 64, 1e7), (1, 2, 4, 256, 64, 1e7), (2, 4, 3, 128, 128, 1e4),
+                                              (3, 2, 5, 64, 32, 1e6)])
+def test_rope_bits_of_mx_fast(B, H, T, D, dims, base):
+    """nn.RoPE in one node: mx.fast.rope's bits (its CPU fallback: MLX's exp, sin and cos), compiled
+    or not, scalar and per-row offsets, positions past 2^23 (libm's sin/cos there), partial rotary;
+    the swapped nn.RoPE too, and a traditional one stays on MLX."""
+    mx.random.seed(T + D)
+    x = mx.random.normal((B, H, T, D))
+    for off in (0, 7, 4097, 123457, 10_000_000):
+        for offset in (mx.array(off, dtype=mx.int32), mx.array([off + 3 * b for b in range(B)], dtype=mx.int32)):
+            ref = mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+            assert _same(ext.rope(x, dims, base, 1.0, offset), ref)
+            compiled = mx.compile(lambda a, o: mx.fast.rope(a, dims, traditional=False, base=base, scale=1.0, offset=o))
+            assert _same(mx.compile(lambda a, o: ext.rope(a, dims, base, 1.0, o))(x, offset), compiled(x, offset))
+    rope, traditional = nn.RoPE(dims, base=base), nn.RoPE(dims, traditional=True, base=base)
+    ref, ref_t = rope(x, offset=5), traditional(x, offset=5)
+    assert activations.install_native_activations(rope, traditional) == 2
+    assert _same(rope(x, offset=5), ref) and _same(rope(x.transpose(0, 2, 1, 3).transpose(0, 2, 1, 3), offset=mx.array(5)), ref)
+    assert _same(traditional(x, offset=5), ref_t)
+    with pytest.raises(ValueError, match="rope"):
+        ext.rope(x, dims + 1, base, 1.0, mx.array(0, dtype=mx.int32))
+
+
 def test_mlx_computes_what_the_kernel_does_not_take(monkeypatch):
     """bfloat16 inputs, or the kernel off, go to MLX's own ops."""
     x = mx.random.normal((5, 7)).astype(mx.bfloat16)

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mtp_serve.models.activations import NativeRoPE
 from mtp_serve.models.vision.spec import VisionSpec
 
 
@@ -51,7 +52,7 @@ def mrope_positions(ids: Sequence[int], grids: Sequence[tuple], spec: VisionSpec
 
 def _inv_freq(rope: nn.Module) -> mx.array:
     """The rope module's inverse frequencies (dims/2), as mx.fast.rope computes them."""
-    if type(rope) is not nn.RoPE:  # mlx-lm's scaled variants (YaRN, Llama 3, ...) change the frequencies
+    if type(rope) not in (nn.RoPE, NativeRoPE):  # mlx-lm's scaled variants (YaRN, Llama 3, ...) change the frequencies
         raise ValueError(f"M-RoPE is implemented for the default rotary embedding, not {type(rope).__name__}")
     dims = rope.dims
     return mx.power(mx.array(float(rope.base), mx.float32),

@@ -21,6 +21,7 @@
 #include <limits>
 #include <optional>
 #include <stdexcept>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -294,6 +295,125 @@ mx::array conv_silu(const mx::array& x, const mx::array& weight) {
                    std::make_shared<ConvSilu>(s), {x, weight});
 }
 
+// ------------------------------------------------------------------ RoPE
+
+// mx.fast.rope on CPU is its fallback graph (positions, frequencies, cos, sin, the rotation, the
+// concatenation: ~12 nodes a call, two calls an attention layer). One node here, the fallback's
+// operations in its order, non-traditional forward with the default frequencies only:
+//   position = (t + offset) * scale; inv_freq[i] = exp(-i * (log(base) / (dims / 2))) (MLX's exp);
+//   theta = position * inv_freq; MLX's cos and sin (sincos_mlx);
+//   out = [x1 cos - x2 sin, x1 sin + x2 cos, x[dims:]].
+// MLX's sin / cos (simd/math.h: Cephes' sincos with correctly rounded fused multiply-adds; libm
+// past 2^23), one value.
+template <bool SINE>
+float sincos_mlx(float in) {
+  if (std::fabs(in) > 8388608.0f) return SINE ? std::sin(in) : std::cos(in);
+  bool sign_sin = in < 0;
+  float x = std::fabs(in);
+  float y = x * 1.27323954473516f;
+  uint32_t emm2 = static_cast<uint32_t>(y);
+  emm2 = (emm2 + 1) & ~1u;
+  y = static_cast<float>(emm2);
+  const bool poly = (emm2 & 2) != 0;
+  x = std::fma(y, -0.78515625f, x);
+  x = std::fma(y, -2.4187564849853515625e-4f, x);
+  x = std::fma(y, -3.77489497744594108e-8f, x);
+  sign_sin = sign_sin ^ ((emm2 & 4) != 0);
+  const bool sign_cos = ((emm2 - 2) & 4) != 0;
+  const float z = x * x;
+  float y1 = std::fma(z, 2.443315711809948e-5f, -1.388731625493765e-3f);
+  float y2 = std::fma(z, -1.9515295891e-4f, 8.3321608736e-3f);
+  y1 = std::fma(y1, z, 4.166664568298827e-2f);
+  y2 = std::fma(y2, z, -1.6666654611e-1f);
+  y1 = y1 * z;
+  y2 = y2 * z;
+  y1 = y1 * z;
+  y2 = std::fma(x, y2, x);
+  y1 = std::fma(z, -0.5f, y1);
+  y1 = y1 + 1.0f;
+  if constexpr (SINE) {
+    const float ys = poly ? y1 : y2;
+    return sign_sin ? -ys : ys;
+  } else {
+    const float yc = poly ? y2 : y1;
+    return sign_cos ? yc : -yc;
+  }
+}
+
+void rope_rows(const float* x, const int32_t* offsets, long n_offsets, float* out, long B, long H, long T, long D,
+               long dims, float base, float scale) {
+  const long half = dims / 2;
+  const float c = std::log(base) / float(half);
+  alignas(32) float ar[8], fr[8];
+  std::vector<float> inv(half), cs(half), sn(half);
+  for (long i = 0; i < half; i += 8) {  // MLX's exp, the one this file's sigmoid uses
+    for (long l = 0; l < 8; l++) ar[l] = float(-(i + l)) * c;
+    _mm256_store_ps(fr, exp_mlx(_mm256_load_ps(ar)));
+    for (long l = 0; l < 8 && i + l < half; l++) inv[i + l] = fr[l];
+  }
+  for (long b = 0; b < B; b++)
+    for (long t = 0; t < T; t++) {
+      const float pos = (float(t) + float(offsets[n_offsets == 1 ? 0 : b])) * scale;
+      for (long i = 0; i < half; i++) {
+        const float theta = pos * inv[i];
+        cs[i] = sincos_mlx<false>(theta), sn[i] = sincos_mlx<true>(theta);
+      }
+      for (long h = 0; h < H; h++) {
+        const float* xr = x + ((b * H + h) * T + t) * D;
+        float* o = out + ((b * H + h) * T + t) * D;
+        for (long i = 0; i < half; i++) {
+          const float x1 = xr[i], x2 = xr[half + i];
+          const float a = x1 * cs[i], bb = x2 * sn[i], e = x1 * sn[i], f = x2 * cs[i];
+          o[i] = a - bb;
+          o[half + i] = e + f;
+        }
+        for (long i = dims; i < D; i++) o[i] = xr[i];
+      }
+    }
+}
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream s, int dims, float base, float scale) : mx::UnaryPrimitive(s), dims_(dims), base_(base), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = claim_output(stream(), inputs, out);
+    const auto& x = inputs[0];
+    enc.dispatch([rx = RowMajor(x), ro = RowMajor(inputs[1]), no = long(inputs[1].size()), o = out.data<float>(),
+                  B = long(x.shape(0)), H = long(x.shape(1)), T = long(x.shape(2)), D = long(x.shape(3)),
+                  dims = long(dims_), base = base_, scale = scale_]() {
+      rope_rows(rx.get<float>(), ro.get<int32_t>(), no, o, B, H, T, D, dims, base, scale);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp rope: CPU only");
+  }
+
+  const char* name() const override { return "MtpRope"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && base_ == o.base_ && scale_ == o.scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  float base_, scale_;
+};
+
+// x [B, H, T, D] float32, offset int32 [] / [1] / [B] -> mx.fast.rope(x, dims, traditional=False, base, scale, offset)'s bits.
+mx::array rope(const mx::array& x, int dims, float base, float scale, const mx::array& offset) {
+  if (x.dtype() != mx::float32 || x.ndim() != 4 || dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
+    throw std::invalid_argument("mtp rope: float32 x [B, H, T, D] and even dims <= D");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && long(offset.size()) != x.shape(0)))
+    throw std::invalid_argument("mtp rope: offset int32, one or one per row");
+  auto s = mx::to_stream({});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(s, dims, base, scale), {x, offset});
+}
+
 }  // namespace act
 
 // Called from quantized_matmul.cpp's module definition.
@@ -304,4 +424,5 @@ void register_activations(nb::module_& m) {
         "gate"_a, "x"_a);
   m.def("rms_norm", &act::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, "scale"_a = 1.0f);
   m.def("conv_silu", &act::conv_silu, "x"_a, "weight"_a);
+  m.def("rope", &act::rope, "x"_a, "dims"_a, "base"_a, "scale"_a, "offset"_a);
 }
