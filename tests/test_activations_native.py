@@ -128,6 +128,30 @@ def test_rope_bits_of_mx_fast(B, H, T, D, dims, base):
         ext.rope(x, dims + 1, base, 1.0, mx.array(0, dtype=mx.int32))
 
 
+def test_gradients_are_mlx_ones():
+    """Training through the native nodes (the tests' scripted checkpoints train a model that runs
+    them) gives the gradients of MLX's own operations."""
+    mx.random.seed(3)
+    x, y, w = mx.random.normal((2, 3, 64)), mx.random.normal((2, 3, 64)), mx.random.normal((64,))
+    conv_x, conv_w = mx.random.normal((1, 6, 16)), mx.random.normal((16, 4, 1))
+    offset = mx.array(5, dtype=mx.int32)
+    pairs = [
+        (lambda a, b: ext.sigmoid(a) * b, lambda a, b: mx.sigmoid(a) * b),
+        (lambda a, b: ext.silu(a) * b, lambda a, b: nn.silu(a) * b),
+        (lambda a, b: ext.swiglu(a, b), lambda a, b: swiglu(a, b)),
+        (lambda a, b: ext.rms_norm(a, b[0, 0], 1e-6, 0.5), lambda a, b: 0.5 * mx.fast.rms_norm(a, b[0, 0], 1e-6)),
+        (lambda a, b: ext.rope(a[None], 32, 1e4, 1.0, offset) * b[None],
+         lambda a, b: mx.fast.rope(a[None], 32, traditional=False, base=1e4, scale=1.0, offset=offset) * b[None]),
+    ]
+    for ours, theirs in pairs:
+        g = mx.grad(lambda a, b: ours(a, b).sum(), argnums=(0, 1))(x, y)
+        r = mx.grad(lambda a, b: theirs(a, b).sum(), argnums=(0, 1))(x, y)
+        assert all(mx.allclose(u, v, atol=1e-5).item() for u, v in zip(g, r))
+    g = mx.grad(lambda a, b: (ext.conv_silu(a, b) ** 2).sum(), argnums=(0, 1))(conv_x, conv_w)
+    r = mx.grad(lambda a, b: (nn.silu(activations.depthwise_conv(a, b)) ** 2).sum(), argnums=(0, 1))(conv_x, conv_w)
+    assert all(mx.allclose(u, v, atol=1e-5).item() for u, v in zip(g, r))
+
+
 def test_mlx_computes_what_the_kernel_does_not_take(monkeypatch):
     """bfloat16 inputs, or the kernel off, go to MLX's own ops."""
     x = mx.random.normal((5, 7)).astype(mx.bfloat16)

@@ -121,6 +121,17 @@ class Activation : public mx::UnaryPrimitive {
 
   const char* name() const override { return "MtpActivation"; }
 
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp([op = op_](const std::vector<mx::array>& in) {
+      auto silu = [](const mx::array& a) { return mx::multiply(a, mx::sigmoid(a)); };
+      if (op == SIGMOID) return std::vector<mx::array>{mx::sigmoid(in[0])};
+      if (op == SILU) return std::vector<mx::array>{silu(in[0])};
+      return std::vector<mx::array>{mx::multiply(silu(in[0]), in[1])};
+    }, primals.size(), primals, cotangents, argnums);
+  }
+
+
   bool is_equivalent(const mx::Primitive& other) const override {
     return op_ == static_cast<const Activation&>(other).op_;
   }
@@ -197,6 +208,15 @@ class RMSNorm : public mx::UnaryPrimitive {
   }
 
   const char* name() const override { return "MtpRMSNorm"; }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp([eps = eps_, scale = scale_](const std::vector<mx::array>& in) {
+      auto y = mx::fast::rms_norm(in[0], in.size() > 1 ? std::optional<mx::array>(in[1]) : std::nullopt, eps);
+      return std::vector<mx::array>{scale != 1.0f ? mx::multiply(y, mx::array(scale)) : y};
+    }, primals.size(), primals, cotangents, argnums);
+  }
+
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RMSNorm&>(other);
@@ -275,6 +295,22 @@ class ConvSilu : public mx::UnaryPrimitive {
   }
 
   const char* name() const override { return "MtpConvSilu"; }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp([](const std::vector<mx::array>& in) {
+      const auto& x = in[0];
+      const int B = x.shape(0), C = x.shape(2), K = in[1].shape(1), S = x.shape(1) - K + 1;
+      std::optional<mx::array> acc;
+      for (int j = 0; j < K; j++) {
+        auto t = mx::multiply(mx::slice(x, {0, j, 0}, {B, j + S, C}),
+                              mx::reshape(mx::slice(in[1], {0, j, 0}, {C, j + 1, 1}), {C}));
+        acc = acc ? mx::add(*acc, t) : t;
+      }
+      return std::vector<mx::array>{mx::multiply(*acc, mx::sigmoid(*acc))};
+    }, primals.size(), primals, cotangents, argnums);
+  }
+
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 
@@ -391,6 +427,15 @@ class Rope : public mx::UnaryPrimitive {
   }
 
   const char* name() const override { return "MtpRope"; }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    const auto offset = primals[1];
+    return reference_vjp([offset, dims = dims_, base = base_, scale = scale_](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{mx::fast::rope(in[0], dims, false, base, scale, offset)};
+    }, 1, primals, cotangents, argnums);
+  }
+
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Rope&>(other);

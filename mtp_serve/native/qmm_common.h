@@ -1,6 +1,7 @@
 // What the native primitives' sources share (quantized_matmul.cpp, quantized_attention.cpp,
 // gated_delta.cpp, activations.cpp): the dtype of MLX's affine scales and biases, one of them
-// loaded as fp32, an eval's outputs claimed, and inputs read row-major whatever their strides.
+// loaded as fp32, an eval's outputs claimed, inputs read row-major whatever their strides, and
+// gradients from MLX's reference computation.
 // Included inside each source's own namespace, after <immintrin.h>, <cstdint>, <cstring>,
 // <stdexcept> and MLX's headers.
 #pragma once
@@ -93,3 +94,19 @@ class RowMajor {
   bool packed_ = true;
   std::shared_ptr<std::vector<char>> buf_;
 };
+
+// Gradients through a native primitive (training a model that runs it, as the tests' scripted
+// checkpoints do): MLX's own computation of the same values, differentiated. `f` takes the
+// differentiable inputs (the first `n` of the primitive's), the others it captures.
+inline std::vector<mx::array> reference_vjp(
+    const std::function<std::vector<mx::array>(const std::vector<mx::array>&)>& f, size_t n,
+    const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents, const std::vector<int>& argnums) {
+  std::vector<mx::array> in(primals.begin(), primals.begin() + std::min(n, primals.size()));
+  auto grads = mx::vjp(f, in, cotangents).second;
+  std::vector<mx::array> out;
+  for (int a : argnums) {
+    if (size_t(a) >= grads.size()) throw std::invalid_argument("mtp native: no gradient for this input");
+    out.push_back(grads[a]);
+  }
+  return out;
+}
