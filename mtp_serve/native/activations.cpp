@@ -1,5 +1,6 @@
 // Sigmoid, SiLU and SwiGLU for decode steps and verify windows, as MLX custom primitives
-// on CPU, with MLX's own bits (issue 23).
+// on CPU, with MLX's own bits (issue 23); below them RMS norm, the GatedDeltaNet decode conv
+// + SiLU and RoPE, each one node in place of MLX's fallback graph.
 //
 // MLX's CPU sigmoid is 1 / (1 + exp(|x|)) (or 1 minus it) with its Cephes-style exp
 // (simd/math.h), computed one element at a time on x86 (SIMD width 1): 13-19 ns an
@@ -131,7 +132,6 @@ class Activation : public mx::UnaryPrimitive {
     }, primals.size(), primals, cotangents, argnums);
   }
 
-
   bool is_equivalent(const mx::Primitive& other) const override {
     return op_ == static_cast<const Activation&>(other).op_;
   }
@@ -216,7 +216,6 @@ class RMSNorm : public mx::UnaryPrimitive {
       return std::vector<mx::array>{scale != 1.0f ? mx::multiply(y, mx::array(scale)) : y};
     }, primals.size(), primals, cotangents, argnums);
   }
-
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const RMSNorm&>(other);
@@ -310,7 +309,6 @@ class ConvSilu : public mx::UnaryPrimitive {
       return std::vector<mx::array>{mx::multiply(*acc, mx::sigmoid(*acc))};
     }, primals.size(), primals, cotangents, argnums);
   }
-
 
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 
@@ -435,7 +433,6 @@ class Rope : public mx::UnaryPrimitive {
       return std::vector<mx::array>{mx::fast::rope(in[0], dims, false, base, scale, offset)};
     }, 1, primals, cotangents, argnums);
   }
-
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Rope&>(other);

@@ -781,7 +781,7 @@ bool cpu_supported() {
 void register_attention(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
 // The GatedDeltaNet recurrence of decode steps and verify windows (gated_delta.cpp, issue 23), on this file's pool.
 void register_gated_delta(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
-// Sigmoid, SiLU and SwiGLU with MLX's bits (activations.cpp, issue 23).
+// Sigmoid, SiLU, SwiGLU, RMS norm, the decode conv and RoPE with MLX's bits (activations.cpp, issue 23).
 void register_activations(nb::module_& m);
 
 NB_MODULE(_mtp_qmm, m) {
