@@ -71,8 +71,6 @@ using namespace nb::literals;
 
 namespace {
 
-
-
 // ------------------------------------------------------------------ scale/bias loads
 
 #include "qmm_common.h"
