@@ -188,16 +188,18 @@ def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
     take = [len(s.owed) - (1 if keep_last else 0) for s in rows]
     if len(rows) == 1:
         n, owed = take[0], rows[0].owed
-        out, logits = model.draft(owed.hidden[:, :n], mx.array([owed.tokens[:n]]), batch.head_cache, batch.rope)
-        last_hidden, last_logits = out[:, n - 1 : n], logits[:, n - 1]
+        out = model.head_pass(owed.hidden[:, :n], mx.array([owed.tokens[:n]]), batch.head_cache, batch.rope)
+        last_hidden = out[:, n - 1 : n]
     else:
         N = max(take)
         hidden = mx.concatenate([_pad_right(s.owed.hidden[:, :n], N) for s, n in zip(rows, take)])
         tokens = mx.array([s.owed.tokens[:n] + [0] * (N - n) for s, n in zip(rows, take)])
-        out, logits = model.draft(hidden, tokens, batch.head_cache, batch.rope)
+        out = model.head_pass(hidden, tokens, batch.head_cache, batch.rope)
         trim_per_row(batch.head_cache, [N - n for n in take])
-        index, last = mx.arange(len(rows)), mx.array([n - 1 for n in take])
-        last_hidden, last_logits = out[index, last][:, None], logits[index, last]
+        last_hidden = out[mx.arange(len(rows)), mx.array([n - 1 for n in take])][:, None]
+    # Scores at the last pair only (the drafts start there): the LM head over every owed pair was
+    # up to K+1 rows of the whole vocabulary a round.
+    last_logits = model.draft_logits(last_hidden)[:, 0]
     if keep_last:
         mx.eval(batch.head_cache.state)  # keep the lazy graph bounded
     for s, n in zip(rows, take):

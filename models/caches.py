@@ -4,10 +4,11 @@ A speculative verify forwards T = K+1 tokens. Attention layers roll back by
 trimming KV (mlx-lm's `KVCache.trim`; in a batch, `RollbackBatchKVCache`
 per row). GatedDeltaNet layers carry a recurrent state and a conv window that
 cannot be trimmed, so during a verify the GDN layer records the whole conv
-input and the window's per-position states (in WY form, see
-`gated_delta_window`), and the commit keeps the state for the accepted length
-(vLLM's per-position state slots, SGLang's intermediate state caches), computing
-only that one.
+input and what gives the window's per-position states (on the native kernel its
+last state and its inputs, to step an earlier one again: `gdn.ReplayStates`; else
+in WY form, see `gated_delta_window`), and the commit keeps the state for the
+accepted length (vLLM's per-position state slots, SGLang's intermediate state
+caches), computing only that one.
 
 Attention KV is kept at the compute dtype or, with `KVSetting(bits, group_size)`
 (`--kv-bits`), quantized as mlx-lm's QuantizedKVCache keeps it: each entry's

@@ -27,8 +27,7 @@ import mlx.nn as nn
 
 from .activations import sigmoid
 from .caches import SpeculativeGDNCache
-from .gated_delta_chunked import WindowStates
-from .gdn import StackedStates, store_step
+from .gdn import store_step
 from .mlx_lm_compat import Qwen3NextAttention, scaled_dot_product_attention
 from .quantized_attention import attention
 from .rope_positions import RopePositions, attention_projections, qkv_at
@@ -40,12 +39,14 @@ MAX_COMPILED_TOKENS = 8
 class CompiledLayers:
     def __init__(self) -> None:
         self._fns: Dict[Tuple[int, str], Callable] = {}
+        self._traced: Dict[Tuple[int, str], Callable] = {}  # the uncompiled functions, for what their traces noted
 
     def _get(self, layer: nn.Module, kind: str) -> Callable:
         key = (id(layer), kind)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = mx.compile(_BUILDERS[kind](layer))
+            self._traced[key] = _BUILDERS[kind](layer)
+            fn = self._fns[key] = mx.compile(self._traced[key])
         return fn
 
     def __call__(self, layer: nn.Module, h: mx.array, mask: Optional[mx.array], cache: Any,
@@ -83,8 +84,7 @@ class CompiledLayers:
         state = cache[1]
         if capture:
             h, conv_input, *window = self._get(layer, "gdn_window")(h, cache[0], state)
-            # the WY form's four factors ([B, Hv, T] first), or every position's state ([B, Hv, Dv, Dk])
-            window = StackedStates(window) if window[0].ndim == 4 else WindowStates(state, *window)
+            window = self._traced[(id(layer), "gdn_window")].window_type.rebuild(state, window)
             store_step(cache, conv_input, window, T, True)
         else:
             h, conv_input, state = self._get(layer, "gdn_step")(h, cache[0], state)
@@ -136,9 +136,9 @@ def _gdn_layer(layer: nn.Module, capture: bool) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         r, conv_input, st = layer.linear_attn.mix(layer.input_layernorm(x), conv_state, state, capture=capture)
         h = _residual_mlp(layer, x + r)
-        if capture:  # the WY form's factors, or (`window_by_steps`) every position's state
-            return (h, conv_input, st.gam, st.decay, st.delta, st.k) if isinstance(st, WindowStates) else (
-                h, conv_input, *st.states)
+        if capture:  # the window's record as arrays; the trace notes its class, to rebuild it from them
+            step.window_type = type(st)
+            return (h, conv_input, *st.arrays)
         return h, conv_input, st
 
     return step

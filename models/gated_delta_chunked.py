@@ -356,7 +356,11 @@ class WindowStates:
 
     @property
     def arrays(self) -> list:
-        return [self.gam, self.decay, self.delta]
+        return [self.gam, self.decay, self.delta, self.k]
+
+    @classmethod
+    def rebuild(cls, start: mx.array, arrays: list) -> "WindowStates":
+        return cls(start, *arrays)
 
     def after(self, n) -> mx.array:
         """State after `n` positions (1..T): an int, or an int array [B] (one per row)."""

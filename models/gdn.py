@@ -8,9 +8,10 @@ order, so plain decoding stays bit-identical to mlx-lm, and adds:
 
 * capture: when the cache is a capturing `SpeculativeGDNCache`, a verify window
   records the whole conv input and what gives the state after every position
-  (every state, stepped token by token: `window_by_steps`, on mtp-serve's native
-  kernel where it is built; else the WY form's factors, or with int8 quantized
-  products mlx-lm's step op), so it can be rolled back to any accepted length;
+  (on mtp-serve's native kernel where it is built, the last state and the window's
+  inputs, to step an earlier one again: `ReplayStates`; else the WY form's factors,
+  or with int8 quantized products every state from mlx-lm's step op), so it can be
+  rolled back to any accepted length;
 * chunked prefill: on backends without the Metal kernel, long inputs go
   through the chunked gated delta rule instead of a Python loop over tokens.
 """
@@ -63,10 +64,9 @@ def _metal_kernel_available(head_k_dim: int) -> bool:
 
 
 class StackedStates:
-    """Every position's state, materialized (the per-token windows' record): one array per
-    position, not stacked, so a single-sequence commit keeps one of them without a copy (a
-    0.8B-shaped layer's four 1 MB states, written and read again by a stack, cost ~8% of a
-    T=4 window)."""
+    """Every position's state, materialized (the per-token windows' record on mlx-lm's step op):
+    one array per position, not stacked, so a single-sequence commit keeps one of them without a
+    copy."""
 
     def __init__(self, states: list):
         self.states = list(states)  # T arrays [B, Hv, Dv, Dk]
@@ -79,6 +79,10 @@ class StackedStates:
     def arrays(self) -> list:
         return self.states
 
+    @classmethod
+    def rebuild(cls, start: mx.array, arrays: list) -> "StackedStates":
+        return cls(arrays)
+
     def after(self, n) -> mx.array:
         """The state after n positions: an int, or one per row (an int array [B] or list). Per row,
         each row's state is sliced from its position's array (a stack and MLX's CPU gather made a
@@ -89,6 +93,56 @@ class StackedStates:
         if len(set(rows)) == 1:
             return self.states[rows[0] - 1]
         return mx.concatenate([self.states[r - 1][i : i + 1] for i, r in enumerate(rows)], axis=0)
+
+
+class ReplayStates:
+    """A native verify window's record: its last state, and what steps any earlier one again.
+
+    The window writes one state a layer, not one a position. A commit that keeps n < T
+    positions steps those n tokens again from the window's starting state on the same kernel,
+    which gives the bits the window computed for them (the kernel's chain per state row does
+    not depend on T, the batch or the threads); a commit that keeps them all takes the last
+    state. A 0.8B-shaped 4-bit window of 4 tokens and its commit, in-process A/B: 47.6 ms keeping
+    all 4 against 52.7 with every state written; keeping 1-3 the replay costs what the three
+    extra writes did (52.1-53.1 ms either way).
+    """
+
+    def __init__(self, start: mx.array, final: mx.array, inputs: list, mask: Optional[mx.array] = None):
+        self.start = start  # [B, Hv, Dv, Dk], the state before the window
+        self.final = final  # the state after all T positions
+        self.inputs = list(inputs)  # q, k, v, g, beta in float32, as the window's kernel took them
+        self.mask = mask  # [B, T] bool or None
+
+    @property
+    def length(self) -> int:
+        return self.inputs[0].shape[1]
+
+    @property
+    def arrays(self) -> list:
+        return [self.final, *self.inputs] + ([] if self.mask is None else [self.mask])
+
+    @classmethod
+    def rebuild(cls, start: mx.array, arrays: list) -> "ReplayStates":
+        return cls(start, arrays[0], arrays[1:6], arrays[6] if len(arrays) > 6 else None)
+
+    def after(self, n) -> mx.array:
+        """The state after n positions: an int, or one per row (an int array [B] or list). Rows that
+        keep fewer positions than the longest are masked past their count (a masked position leaves
+        the state as it was), so one replay serves the batch."""
+        if not isinstance(n, int):
+            rows = n.tolist() if isinstance(n, mx.array) else list(n)
+            if len(set(rows)) > 1:
+                top = max(rows)
+                keep = mx.arange(top)[None] < mx.array(rows)[:, None]
+                return self._replay(top, keep if self.mask is None else keep & self.mask[:, :top])
+            n = rows[0]
+        if n == self.length:
+            return self.final
+        return self._replay(n, None if self.mask is None else self.mask[:, :n])
+
+    def _replay(self, n: int, mask: Optional[mx.array]) -> mx.array:
+        ext = quantized_matmul.load()
+        return ext.gated_delta_steps(*(a[:, :n] for a in self.inputs), self.start, mask, False)[1]
 
 
 # Decode steps and verify windows run the recurrence on mtp-serve's native CPU kernel when
@@ -105,18 +159,18 @@ def native_recurrence() -> Optional[Any]:
     return ext if ext is not None and hasattr(ext, "gated_delta_steps") else None
 
 
-def _native_steps(ext: Any, q, k, v, g, beta, state, mask, all_states: bool):
-    """`gated_delta_steps` (all_states) or mlx-lm's `gated_delta_ops` on the native kernel, or None
-    where it does not take the inputs (per-dimension gating, head dims not multiples of 8, a
-    state not in float32, a mask other than [B, T] booleans)."""
+def _native_steps(ext: Any, q, k, v, g, beta, state, mask, capture: bool):
+    """mlx-lm's `gated_delta_ops` on the native kernel: (y, the last state, or with `capture` the
+    window's `ReplayStates`), or None where it does not take the inputs (per-dimension gating,
+    head dims not multiples of 8, a state not in float32, a mask other than [B, T] booleans)."""
     B, T = q.shape[:2]
     if g.ndim != 3 or q.shape[-1] % 8 or v.shape[-1] % 8 or state.dtype != mx.float32:
         return None
     if mask is not None and (mask.dtype != mx.bool_ or tuple(mask.shape) != (B, T)):
         return None
     f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta)]  # exact: MLX promotes to fp32 the same way
-    y, *states = ext.gated_delta_steps(*f32, state, mask, all_states)
-    return y.astype(q.dtype), (StackedStates(states) if all_states else states[0])
+    y, last = ext.gated_delta_steps(*f32, state, mask, False)
+    return y.astype(q.dtype), (ReplayStates(state, last, f32, mask) if capture else last)
 
 
 def gated_delta_steps(
@@ -179,7 +233,7 @@ class CapturingGatedDeltaNetMixin:
         """The layer as a function of its input and recurrent state (no cache
         object, so it can be `mx.compile`d). Returns (output, the conv input
         [B, kernel-1+S, C], the new state) or, with `capture`, the window's
-        per-position states (`WindowStates` / `StackedStates`) instead of the state.
+        per-position states (`ReplayStates` / `WindowStates` / `StackedStates`) instead of the state.
         `cpu_prefill` computes a chunked prefill's conv and activations with
         `fast_math` (same values to fp32 rounding, several times faster on CPU).
         """
@@ -213,7 +267,7 @@ class CapturingGatedDeltaNetMixin:
             g, beta = compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
         if state is None and (capture or native is not None):
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        stepped = None if native is None else _native_steps(native, q, k, v, g, beta, state, mask, all_states=capture)
+        stepped = None if native is None else _native_steps(native, q, k, v, g, beta, state, mask, capture)
         if stepped is not None:
             out, state = stepped
         elif capture:

@@ -142,10 +142,19 @@ class MTPModel:
         """Head over pairs (hidden[p], next_tokens[p]); returns (head hidden, logits), the
         logits over the draft vocabulary when one is set (`draft_vocab.ids` maps them).
         The head's entry p sits where the backbone's token p does (`rope`)."""
+        out = self.head_pass(hidden, next_tokens, head_cache, rope)
+        return out, self.draft_logits(out)
+
+    def head_pass(self, hidden: mx.array, next_tokens: mx.array, head_cache: KVCache,
+                  rope: Optional[RopePositions] = None) -> mx.array:
+        """`draft`'s head hidden alone (when only some positions' logits are wanted)."""
         blas_threads_for(next_tokens.size)
         run_layer = self.run_layer if rope is None else (lambda l, x, m, c: self.run_layer(l, x, m, c, rope))
-        out = self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=run_layer)
-        return out, (self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out))
+        return self.head(hidden, self.inner.embed_tokens(next_tokens), head_cache, run_layer=run_layer)
+
+    def draft_logits(self, out: mx.array) -> mx.array:
+        """Draft scores of head hidden `out`: over the draft vocabulary when one is set."""
+        return self.draft_vocab.logits(out) if self.draft_vocab is not None else self.lm_head(out)
 
     def run_layer(self, layer: nn.Module, h: mx.array, mask: Any, cache: Any,
                   rope: Optional[RopePositions] = None) -> mx.array:

@@ -71,8 +71,30 @@ def test_decode_update_matches_mlx_lm():
         qd, kd, vd, ad, bd = (t.astype(dtype) for t in (q, k, v, a, b))
         y_ref, s_ref = gated_delta_update(qd, kd, vd, ad, bd, A_log, dt_bias, s)
         y, state = gdn._native_steps(gdn.native_recurrence(), qd, kd, vd, gdn.compute_g(A_log, ad, dt_bias),
-                                     mx.sigmoid(bd), s, None, all_states=False)
+                                     mx.sigmoid(bd), s, None, capture=False)
         assert y.dtype == dtype and _same(y.astype(mx.float32), y_ref.astype(mx.float32)) and _same(state, s_ref)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_replayed_states_are_the_windows_bits(masked):
+    """A window keeps its last state and steps an earlier one again when a commit asks for it
+    (`ReplayStates`): each accepted length, one for all rows or one per row, gives the bits of the
+    window's own state at that position, and all T gives the window's last state itself."""
+    B, T = 3, 4
+    q, k, v, g, beta, s = _inputs(B, T, 2, 4, 64, 32, seed=11)
+    mask = (mx.arange(B * T).reshape(B, T) % 5) != 3 if masked else None
+    ext = gdn.native_recurrence()
+    _, *states = ext.gated_delta_steps(q, k, v, g, beta, s, mask, True)
+    y, window = gdn._native_steps(ext, q, k, v, g, beta, s, mask, True)
+    assert isinstance(window, gdn.ReplayStates) and window.length == T
+    for n in range(1, T + 1):
+        assert _same(window.after(n), states[n - 1])
+    assert window.after(T) is window.final
+    for rows in ([2, 4, 1], mx.array([3, 1, 3]), [2, 2, 2]):
+        expect = mx.concatenate([states[r - 1][i : i + 1] for i, r in enumerate(np.asarray(rows).tolist())])
+        assert _same(window.after(rows), expect)
+    rebuilt = gdn.ReplayStates.rebuild(s, window.arrays)
+    assert _same(rebuilt.after(2), states[1])
 
 
 def test_bad_inputs_are_refused():
@@ -96,7 +118,7 @@ def test_off_without_the_extension(monkeypatch):
 
 def test_decode_steps_and_verify_windows_run_on_it(checkpoint_dir, monkeypatch):
     """A greedy MTP decode on a synthetic Qwen3.5 checkpoint: plain steps (one token) and verify
-    windows (every position's state kept) both take the native recurrence, and the output is
+    windows (their record kept to roll back) both take the native recurrence, and the output is
     plain decoding's. (Compiled steps call the forward when they trace it: `seen` holds traces.)"""
     from mtp_serve.engine.generator import generate
     from mtp_serve.engine.sampling import SamplingParams
@@ -105,9 +127,9 @@ def test_decode_steps_and_verify_windows_run_on_it(checkpoint_dir, monkeypatch):
     seen = []
     real = gdn._native_steps
 
-    def counting(ext, q, *args, all_states):
-        seen.append((q.shape[1], all_states))
-        return real(ext, q, *args, all_states=all_states)
+    def counting(ext, q, *args):
+        seen.append((q.shape[1], args[-1]))
+        return real(ext, q, *args)
 
     monkeypatch.setattr(gdn, "_native_steps", counting)
     lm = load_model(str(checkpoint_dir("qwen3_5", agreeable=True)))
