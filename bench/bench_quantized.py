@@ -6,6 +6,8 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
                                     [--numerics exact int8] [--gdn native mlx] [--draft-vocab 0 32768]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
+    python bench/bench_quantized.py --window-commit --rows 0.8b:4      # a verify window and its commit:
+                                                                       # last state + replay vs every state
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
 248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 
 from common import median_seconds, pc, timed_seconds  # noqa: I001  (first: backend set-up before mlx.core)
 
@@ -223,6 +226,53 @@ def compare_heads(shape: str, bits: int) -> None:
         print(f"[{shape} {bits}-bit body] {name}: draft {d:.3f} plain steps ({d * st:.1f} ms; step {st:.0f} ms)", flush=True)
 
 
+def window_commit(shape: str, bits: int, T: int = 4, reps: int = 12) -> None:
+    """A T-token verify window and its commit keeping 1..T positions, interleaved in one process:
+    GatedDeltaNet windows that write their last state and replay a shorter commit (`ReplayStates`)
+    against windows that write every position's state (medians, ms, beside a plain step)."""
+    from mtp_serve.models.caches import keep_verified, set_capture
+
+    model, _ = quantized_model(shape, bits)
+    calibrate_blas_threads(model, Tok())
+    cache = model.make_cache()
+    h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
+    mx.eval(h, [c.state for c in cache])
+
+    def timed(T: int, keep: int) -> float:
+        x = mx.random.randint(0, 1000, (1, T))
+        mx.eval(x)
+        t = pc()
+        set_capture(cache, T > 1)
+        out = model.forward(x, cache)
+        set_capture(cache, False)
+        if T > 1:
+            keep_verified(cache, [keep], T)
+        mx.eval(out, [c.state for c in cache])
+        return pc() - t
+
+    compiled = {}
+    for name, replay in (("every state", False), ("replay", True)):
+        gdn.REPLAY = replay
+        model.compiled = CompiledLayers()  # a compiled window keeps the form of its trace
+        for _ in range(3):
+            timed(T, 2)
+        compiled[name] = model.compiled
+    runs: dict = {name: {k: [] for k in range(1, T + 1)} for name in compiled}
+    plain = []
+    for _ in range(reps):
+        for keep in range(1, T + 1):
+            for name in compiled:
+                model.compiled = compiled[name]
+                runs[name][keep].append(timed(T, keep))
+        plain.append(timed(1, 1))
+    gdn.REPLAY = True
+    step = statistics.median(plain)
+    print(f"[{shape} {bits}-bit] plain step {step * 1e3:.1f} ms; T={T} window + commit keeping k positions:")
+    for name, by_keep in runs.items():
+        print(f"  {name}: " + ", ".join(f"k={k} {statistics.median(v) * 1e3:.1f} ms ({statistics.median(v) / step:.2f} steps)"
+                                      for k, v in by_keep.items()), flush=True)
+
+
 def kernel_only(bits: int, threads: int) -> None:
     """The products alone at Qwen3.5-0.8B's shapes (min of repeated calls, ms): exact and int8
     numerics against MLX's `quantized_matmul` and an fp32 matmul of the same shape; then a
@@ -286,11 +336,18 @@ def main() -> None:
     ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")
     ap.add_argument("--bits", type=int, default=4, help="with --kernel")
     ap.add_argument("--threads", type=int, default=1, help="with --kernel: the kernel's threads")
+    ap.add_argument("--window-commit", action="store_true",
+                    help="a T=4 verify window and its commit keeping 1-4 positions: replay against every state written")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
     if args.kernel:
         kernel_only(args.bits, args.threads)
+        return
+    if args.window_commit:
+        for spec in args.rows:
+            shape, bits = spec.split(":")
+            window_commit(shape, int(bits))
         return
     if args.compare_heads:
         for spec in args.rows:

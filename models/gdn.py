@@ -149,6 +149,10 @@ class ReplayStates:
 # it is built (False: mlx-lm's ops; benchmarks compare). Issue 23.
 NATIVE = True
 
+# Native verify windows write their last state and replay a shorter commit (`ReplayStates`);
+# False: they write every position's state (benchmarks compare). Read when a step is traced.
+REPLAY = True
+
 
 def native_recurrence() -> Optional[Any]:
     """The native kernel's module when decode recurrences run on it here, else None. Its bits are
@@ -169,6 +173,9 @@ def _native_steps(ext: Any, q, k, v, g, beta, state, mask, capture: bool):
     if mask is not None and (mask.dtype != mx.bool_ or tuple(mask.shape) != (B, T)):
         return None
     f32 = [a.astype(mx.float32) for a in (q, k, v, g, beta)]  # exact: MLX promotes to fp32 the same way
+    if capture and not REPLAY:
+        y, *states = ext.gated_delta_steps(*f32, state, mask, True)
+        return y.astype(q.dtype), StackedStates(states)
     y, last = ext.gated_delta_steps(*f32, state, mask, False)
     return y.astype(q.dtype), (ReplayStates(state, last, f32, mask) if capture else last)
 
