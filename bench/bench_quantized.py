@@ -6,8 +6,8 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
                                     [--numerics exact int8] [--gdn native mlx] [--draft-vocab 0 32768]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
-    python bench/bench_quantized.py --window-commit --rows 0.8b:4      # a verify window and its commit:
-                                                                       # last state + replay vs every state
+    python bench/bench_quantized.py --window-commit --rows 0.8b:4      # verify windows and commits:
+                                                                       # every state vs last state + replay
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (the real
 248,320-token vocabulary, tied embeddings) and a Qwen3.6-35B-A3B expert layout scaled
@@ -226,51 +226,63 @@ def compare_heads(shape: str, bits: int) -> None:
         print(f"[{shape} {bits}-bit body] {name}: draft {d:.3f} plain steps ({d * st:.1f} ms; step {st:.0f} ms)", flush=True)
 
 
-def window_commit(shape: str, bits: int, T: int = 4, reps: int = 12) -> None:
-    """A T-token verify window and its commit keeping 1..T positions, interleaved in one process:
-    GatedDeltaNet windows that write their last state and replay a shorter commit (`ReplayStates`)
-    against windows that write every position's state (medians, ms, beside a plain step)."""
+def window_commit(shape: str, bits: int, T: int = 4, reps: int = 24) -> None:
+    """Verify windows of T tokens and commits keeping k of them: GatedDeltaNet windows that write
+    every position's state against windows that write their last state and replay a shorter
+    commit (`ReplayStates`), each form on its own cache, interleaved in one process (medians, ms,
+    beside a plain step). Two ways: each window with its commit's state computed at once, and one
+    window after another with the kept state computed in the next window's graph, as in a round."""
     from mtp_serve.models.caches import keep_verified, set_capture
 
     model, _ = quantized_model(shape, bits)
     calibrate_blas_threads(model, Tok())
-    cache = model.make_cache()
-    h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
-    mx.eval(h, [c.state for c in cache])
+    forms = {"every state": False, "replay": True}
+    caches, compiled = {}, {}
 
-    def timed(T: int, keep: int) -> float:
+    def window(name: str, keep: int, with_state: bool) -> float:
+        model.compiled, cache = compiled[name], caches[name]
         x = mx.random.randint(0, 1000, (1, T))
         mx.eval(x)
         t = pc()
-        set_capture(cache, T > 1)
+        set_capture(cache, True)
         out = model.forward(x, cache)
         set_capture(cache, False)
-        if T > 1:
-            keep_verified(cache, [keep], T)
-        mx.eval(out, [c.state for c in cache])
+        keep_verified(cache, [keep], T)
+        mx.eval(out, [c.state for c in cache] if with_state else [])
         return pc() - t
 
-    compiled = {}
-    for name, replay in (("every state", False), ("replay", True)):
+    for name, replay in forms.items():
+        caches[name] = model.make_cache()
+        h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), caches[name])
+        mx.eval(h, [c.state for c in caches[name]])
         gdn.REPLAY = replay
-        model.compiled = CompiledLayers()  # a compiled window keeps the form of its trace
-        for _ in range(3):
-            timed(T, 2)
-        compiled[name] = model.compiled
-    runs: dict = {name: {k: [] for k in range(1, T + 1)} for name in compiled}
-    plain = []
+        compiled[name] = model.compiled = CompiledLayers()  # a compiled window keeps the form of its trace
+        for keep in (2, 1, 4):
+            window(name, keep, True)
+    gdn.REPLAY = True
+    runs: dict = {(way, name): {k: [] for k in range(1, T + 1)} for way in (True, False) for name in forms}
     for _ in range(reps):
         for keep in range(1, T + 1):
-            for name in compiled:
-                model.compiled = compiled[name]
-                runs[name][keep].append(timed(T, keep))
-        plain.append(timed(1, 1))
-    gdn.REPLAY = True
-    step = statistics.median(plain)
-    print(f"[{shape} {bits}-bit] plain step {step * 1e3:.1f} ms; T={T} window + commit keeping k positions:")
-    for name, by_keep in runs.items():
-        print(f"  {name}: " + ", ".join(f"k={k} {statistics.median(v) * 1e3:.1f} ms ({statistics.median(v) / step:.2f} steps)"
-                                      for k, v in by_keep.items()), flush=True)
+            for way in (True, False):
+                for _ in range(2):  # the second window follows a commit of the same k
+                    for name in forms:
+                        runs[way, name][keep].append(window(name, keep, way))
+    model.compiled = CompiledLayers()
+    cache = model.make_cache()
+    plain = []
+    for _ in range(reps + 2):
+        x = mx.random.randint(0, 1000, (1, 1))
+        mx.eval(x)
+        t = pc()
+        out = model.forward(x, cache)
+        mx.eval(out, [c.state for c in cache])
+        plain.append(pc() - t)
+    step = statistics.median(plain[2:])
+    print(f"[{shape} {bits}-bit] plain step {step * 1e3:.1f} ms; T={T} windows, commits keeping k positions:")
+    for (way, name), by_keep in runs.items():
+        print(f"  {'with its state' if way else 'one after another'}, {name}: "
+              + ", ".join(f"k={k} {statistics.median(v) * 1e3:.1f} ms ({statistics.median(v) / step:.2f} steps)"
+                          for k, v in by_keep.items()), flush=True)
 
 
 def kernel_only(bits: int, threads: int) -> None:
@@ -337,7 +349,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, help="with --kernel")
     ap.add_argument("--threads", type=int, default=1, help="with --kernel: the kernel's threads")
     ap.add_argument("--window-commit", action="store_true",
-                    help="a T=4 verify window and its commit keeping 1-4 positions: replay against every state written")
+                    help="T=4 verify windows, commits keeping 1-4: every state written against replays")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())

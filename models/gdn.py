@@ -102,9 +102,9 @@ class ReplayStates:
     positions steps those n tokens again from the window's starting state on the same kernel,
     which gives the bits the window computed for them (the kernel's chain per state row does
     not depend on T, the batch or the threads); a commit that keeps them all takes the last
-    state. A 0.8B-shaped 4-bit window of 4 tokens and its commit, in-process A/B: 47.6 ms keeping
-    all 4 against 52.7 with every state written; keeping 1-3 the replay costs what the three
-    extra writes did (52.1-53.1 ms either way).
+    state. 0.8B-shaped 4-bit windows of 4 tokens one after another (`bench_quantized.py
+    --window-commit`): keeping all 4, 53.3-56.1 ms against 58.6-59.9 with every state written;
+    keeping 1-3, 54.8-59.7 against 57.2-60.3.
     """
 
     def __init__(self, start: mx.array, final: mx.array, inputs: list, mask: Optional[mx.array] = None):
