@@ -45,7 +45,8 @@ CHUNKED_PREFILL_MIN_TOKENS = 8
 
 
 # Decode steps and verify windows (at most this many tokens a row) compute the depthwise
-# conv as shifted multiply-adds on CPU. At these sizes MLX's conv kernel sums the K taps in
+# conv as shifted multiply-adds, elementwise, so on every device a row's bits never depend on
+# the window's length or the batch (on a GPU, MLX's conv is not checked to). On CPU, at these sizes MLX's conv kernel sums the K taps in
 # the same order (the bits are mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64
 # rows of input it changes algorithm and rounds differently (16 rows of 5 tokens already):
 # a batched verify window would then differ from the batch's plain steps by ~1e-7, which
@@ -218,14 +219,16 @@ class CapturingGatedDeltaNetMixin:
 
     def window_by_steps(self) -> bool:
         """Verify windows step token by token (as plain decoding) instead of the WY form: always on
-        the native kernel (exact and cheaper), else with mlx-lm's step op where the layer's
-        products run in int8 numerics. The WY form is exact to fp32
+        the native kernel (exact and cheaper) and on a GPU, else with mlx-lm's step op where the
+        layer's products run in int8 numerics. The WY form is exact to fp32
         rounding, not bit for bit: ~1e-7 that exact numerics carry along harmlessly, but int8
         rounds the next product's x, where it flips an int8 step and then tokens (0.8B-shaped
         4-bit model, oracle drafts: MTP left plain's tokens at token 9; by steps, identical).
         Read when a step is traced: compiled steps keep the form of their first trace."""
         if native_recurrence() is not None:  # token by token on the native kernel: exact and cheaper than WY
             return True
+        if mx.default_device() != mx.cpu:  # MLX CUDA, 4-bit 2B/4B/A3B layouts, oracle drafts: the WY form
+            return True  # left plain's tokens at depths 1-3 (bench_quantized); by steps it did not
         return isinstance(self.out_proj, DecodeQuantizedLinear) and quantized_matmul.numerics() == "int8"
 
     def mix(
@@ -255,7 +258,7 @@ class CapturingGatedDeltaNetMixin:
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if fast:
             conv_out = fast_math.silu(activations.depthwise_conv(conv_input, self.conv1d.weight))
-        elif S <= DECODE_CONV_MAX_TOKENS and mx.default_device() == mx.cpu:
+        elif S <= DECODE_CONV_MAX_TOKENS:
             conv_out = activations.depthwise_conv_silu(conv_input, self.conv1d.weight)
         else:
             conv_out = nn.silu(self.conv1d(conv_input))

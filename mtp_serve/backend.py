@@ -38,6 +38,21 @@ class Backend:
         # supports float32 only: compute in fp32 there.
         return "float32" if self.device == "cpu" else "bfloat16"
 
+    @property
+    def exact_windows(self) -> bool:
+        """Every kernel of a verify window gives a position the bits of a single step, so greedy
+        MTP output is plain decoding's token for token. On CPU mtp-serve's kernels make it so.
+        MLX's CUDA kernels do not (MLX 0.32.4 on an H200, measured: `GPU_WINDOWS_NOTE`)."""
+        return self.device == "cpu"
+
+
+GPU_WINDOWS_NOTE = (
+    "on MLX's GPU backend a verify window is not bit for bit T single steps: on CUDA, causal "
+    "attention over several queries, unquantized matmuls of 2+ rows (cuBLAS) and quantized ones of 8+ "
+    "rows round differently, so greedy MTP output can leave plain decoding's at near-ties "
+    "(README, \"MLX's CUDA backend\")"
+)
+
 
 _OPENBLAS: ctypes.CDLL | None = None
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from mtp_serve import BACKEND
+from mtp_serve.backend import GPU_WINDOWS_NOTE
 from mtp_serve.cli import ranks
 from mtp_serve.cli.common import OneLineParser, byte_size, fail
 from mtp_serve.server.images import ImageSettings
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
               f"({card['root'] or 'the demo model'}): {'loaded now' if card['loaded'] else 'loads on first use'}", flush=True)
     print(f"mtp-serve: web page (playground, live charts, MTP off/on side by side) at http://{args.host}:{args.port}/",
           flush=True)
+    if depth and not BACKEND.exact_windows:
+        print(f"mtp-serve: warning: {GPU_WINDOWS_NOTE}", flush=True)
     if loaded.mtp_fix:
         print(f"mtp-serve: this model has no MTP head; add it (lossless speculative decoding) with:\n  {loaded.mtp_fix}",
               flush=True)
