@@ -5,7 +5,7 @@
 Greedy MTP is plain decoding token for token only if every operation of a T-token verify
 window computes each position exactly as a single step would. For each operation (MLX's
 quantized and plain matmuls, gathered experts, causal attention, norms, the depthwise conv,
-the GatedDeltaNet recurrence in its window forms), this computes M rows at once and each row
+the GatedDeltaNet recurrence of a window), this computes M rows at once and each row
 alone and prints, per M, "ok" or the rows whose bits differ and by how much. On CPU,
 mtp-serve's own kernels take the decode products (`tests/test_quantized_matmul.py`); this
 script calls MLX's, which is what runs on a GPU backend (README, "MLX's CUDA backend").
@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from mtp_serve.models import activations
-from mtp_serve.models.gdn import gated_delta_steps, gated_delta_window
+from mtp_serve.models.gdn import gated_delta_steps
 from mtp_serve.models.mlx_lm_compat import compute_g
 
 
@@ -101,9 +101,7 @@ def gated_delta(rows: list) -> None:
                                        A_log, dt_bias, st, None)
         return y[0, 0]
 
-    check("GatedDeltaNet window, WY form", rows,
-          lambda M: gated_delta_window(q[:, :M], k[:, :M], v[:, :M], g[:, :M], beta[:, :M], s0)[0][0], lambda M, i: step(i))
-    check("GatedDeltaNet window, by steps (mtp-serve's off the native kernel)", rows,
+    check("GatedDeltaNet window by steps (mtp-serve's off the native kernel)", rows,
           lambda M: gated_delta_steps(q[:, :M], k[:, :M], v[:, :M], g[:, :M], beta[:, :M], s0, None)[0][0],
           lambda M, i: step(i))
 

@@ -6,7 +6,7 @@ per row). GatedDeltaNet layers carry a recurrent state and a conv window that
 cannot be trimmed, so during a verify the GDN layer records the whole conv
 input and what gives the window's per-position states (on the native kernel its
 last state and its inputs, to step an earlier one again: `gdn.ReplayStates`; else
-in WY form, see `gated_delta_window`), and the commit keeps the state for the
+every position's state, `gdn.StackedStates`), and the commit keeps the state for the
 accepted length (vLLM's per-position state slots, SGLang's intermediate state
 caches), computing only that one.
 
@@ -135,7 +135,7 @@ class SpeculativeGDNCache(ArraysCache):
         super().__init__(size=2, left_padding=left_padding)
         self.capturing = False
         self.conv_input: Optional[mx.array] = None  # [B, kernel-1+T, C]
-        self.window: Optional[Any] = None  # WindowStates or StackedStates
+        self.window: Optional[Any] = None  # ReplayStates or StackedStates
 
     def record(self, conv_input: mx.array, window: Any) -> None:
         self.conv_input = conv_input

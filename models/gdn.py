@@ -9,9 +9,11 @@ order, so plain decoding stays bit-identical to mlx-lm, and adds:
 * capture: when the cache is a capturing `SpeculativeGDNCache`, a verify window
   records the whole conv input and what gives the state after every position
   (on mtp-serve's native kernel where it is built, the last state and the window's
-  inputs, to step an earlier one again: `ReplayStates`; else the WY form's factors,
-  or with int8 quantized products every state from mlx-lm's step op), so it can be
-  rolled back to any accepted length;
+  inputs, to step an earlier one again: `ReplayStates`; else every state from
+  mlx-lm's step op), so it can be rolled back to any accepted length. Either way a
+  window steps token by token as plain decoding does, so each position gets a single
+  step's bits (a one-chunk WY form was exact only to fp32 rounding, and on MLX's
+  CUDA backend made greedy MTP leave plain decoding's tokens);
 * chunked prefill: on backends without the Metal kernel, long inputs go
   through the chunked gated delta rule instead of a Python loop over tokens.
 """
@@ -27,7 +29,7 @@ from mtp_serve import quantized_matmul
 
 from . import activations, fast_math
 from .caches import SpeculativeGDNCache
-from .gated_delta_chunked import gated_delta_chunked, gated_delta_window
+from .gated_delta_chunked import gated_delta_chunked
 from .mlx_lm_compat import (
     Qwen35GatedDeltaNetBase,
     Qwen3NextGatedDeltaNetBase,
@@ -36,7 +38,7 @@ from .mlx_lm_compat import (
     gated_delta_step_ops,
     gated_delta_update,
 )
-from .quantized_layers import DecodeQuantizedLinear, project
+from .quantized_layers import project
 
 # Inputs at least this long take the chunked path where no Metal kernel runs: its
 # operation count does not grow with the length, the per-token loop's does (a
@@ -193,8 +195,8 @@ def gated_delta_steps(
     """Per-token recurrence that also keeps the state after each position.
 
     Uses mlx-lm's own step op, so each position is computed exactly as a
-    one-token decode step computes it. The fallback for windows the WY form
-    does not cover (masks, per-dimension gating). Returns y [B,T,Hv,Dv].
+    one-token decode step computes it: the windows' form where the native
+    kernel does not run (a GPU, a CPU without it). Returns y [B,T,Hv,Dv].
     """
     Hk, Hv = q.shape[-2], v.shape[-2]
     if Hv // Hk > 1:
@@ -217,20 +219,6 @@ class CapturingGatedDeltaNetMixin:
     def project(self, x: mx.array) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
         raise NotImplementedError
 
-    def window_by_steps(self) -> bool:
-        """Verify windows step token by token (as plain decoding) instead of the WY form: always on
-        the native kernel (exact and cheaper) and on a GPU, else with mlx-lm's step op where the
-        layer's products run in int8 numerics. The WY form is exact to fp32
-        rounding, not bit for bit: ~1e-7 that exact numerics carry along harmlessly, but int8
-        rounds the next product's x, where it flips an int8 step and then tokens (0.8B-shaped
-        4-bit model, oracle drafts: MTP left plain's tokens at token 9; by steps, identical).
-        Read when a step is traced: compiled steps keep the form of their first trace."""
-        if native_recurrence() is not None:  # token by token on the native kernel: exact and cheaper than WY
-            return True
-        if mx.default_device() != mx.cpu:  # MLX CUDA, 4-bit 2B/4B/A3B layouts, oracle drafts: the WY form
-            return True  # left plain's tokens at depths 1-3 (bench_quantized); by steps it did not
-        return isinstance(self.out_proj, DecodeQuantizedLinear) and quantized_matmul.numerics() == "int8"
-
     def mix(
         self,
         inputs: mx.array,
@@ -243,7 +231,7 @@ class CapturingGatedDeltaNetMixin:
         """The layer as a function of its input and recurrent state (no cache
         object, so it can be `mx.compile`d). Returns (output, the conv input
         [B, kernel-1+S, C], the new state) or, with `capture`, the window's
-        per-position states (`ReplayStates` / `WindowStates` / `StackedStates`) instead of the state.
+        per-position states (`ReplayStates` / `StackedStates`) instead of the state.
         `cpu_prefill` computes a chunked prefill's conv and activations with
         `fast_math` (same values to fp32 rounding, several times faster on CPU).
         """
@@ -281,10 +269,7 @@ class CapturingGatedDeltaNetMixin:
         if stepped is not None:
             out, state = stepped
         elif capture:
-            if mask is None and g.ndim == 3 and not self.window_by_steps():
-                out, state = gated_delta_window(q, k, v, g, beta, state)
-            else:
-                out, state = gated_delta_steps(q, k, v, g, beta, state, mask)
+            out, state = gated_delta_steps(q, k, v, g, beta, state, mask)
         elif chunked:
             out, state = gated_delta_chunked(q, k, v, g, beta, state, mask)
         else:

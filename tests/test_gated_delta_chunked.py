@@ -5,12 +5,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from mtp_serve.models.gated_delta_chunked import (
-    _unit_lower_inv,
-    gated_delta_chunked,
-    gated_delta_window,
-)
+from mtp_serve.models.gated_delta_chunked import _unit_lower_inv, gated_delta_chunked
 from mtp_serve.models.gdn import gated_delta_steps
+from mtp_serve.models.mlx_lm_compat import compute_g
 
 RTOL = 1e-4
 
@@ -177,14 +174,20 @@ def test_correlated_keys():
 
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("B,Hk,Hv", [(1, 2, 4), (3, 1, 1)])
-def test_verify_window_matches_per_token_steps(T, B, Hk, Hv):
-    """The WY verify window gives the per-token path's outputs and, on demand,
-    the state after any accepted length, per row."""
-    q, k, v, g, beta, s = _inputs(B, T, Hk, Hv, 32, 16, seed=T + B)
-    y_ref, steps = gated_delta_steps(q, k, v, g, beta, s, None)
-    y, window = gated_delta_window(q, k, v, g, beta, s)
-    _close(y, y_ref)
-    for n in range(1, T + 1):
-        _close(window.after(n), steps.after(n))
-    per_row = mx.array([1 + (i * 2) % T for i in range(B)])
-    _close(window.after(per_row), steps.after(per_row))
+def test_verify_window_is_single_steps_bit_for_bit(T, B, Hk, Hv):
+    """Off the native kernel (a GPU, a CPU without it) a verify window steps token by token:
+    each position's output and kept state are the bits plain decoding's one-token steps give
+    (mlx-lm's `gated_delta_update`), so greedy MTP keeps plain's tokens."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    q, k, v, _, _, s = _inputs(B, T, Hk, Hv, 32, 16, seed=T + B)
+    a, b = mx.random.normal((B, T, Hv)), mx.random.normal((B, T, Hv))
+    A_log, dt_bias = mx.random.normal((Hv,)), mx.random.normal((Hv,))
+    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+    y, window = gated_delta_steps(q, k, v, g, beta, s, None)
+    state = s
+    for t in range(T):
+        y1, state = gated_delta_update(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1], b[:, t:t + 1],
+                                       A_log, dt_bias, state, None, use_kernel=False)
+        assert mx.array_equal(y[:, t], y1[:, 0]).item(), f"position {t}"
+        assert mx.array_equal(window.after(t + 1), state).item(), f"state after {t + 1}"

@@ -562,9 +562,8 @@ def test_calibration_times_quantized_models(quantized):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_int8_verify_window_scores_bit_for_bit_as_plain_steps(family, quantized):
     """With int8 numerics a verify window's logits and the GatedDeltaNet states it keeps are the
-    bits of T plain steps. (The WY-form window is exact only to fp32 rounding: int8 rounding of the
-    next product's x turned its ~1e-7 into token changes at 0.8B shapes, so int8 windows step token
-    by token, `window_by_steps`.)"""
+    bits of T plain steps. (A WY-form window, exact only to fp32 rounding, once turned int8 rounding
+    of the next product's x into token changes at 0.8B shapes: windows step token by token.)"""
     from mtp_serve.models.caches import SpeculativeGDNCache, keep_verified, set_capture
 
     lm = quantized(family, 4, "int8")
