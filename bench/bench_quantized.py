@@ -359,6 +359,8 @@ def main() -> None:
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
+    if (args.kernel or args.window_commit) and qmm_ext.load() is None:
+        raise SystemExit("--kernel and --window-commit time mtp-serve's CPU kernel, which is off here")
     if args.kernel:
         kernel_only(args.bits, args.threads)
         return
