@@ -47,13 +47,13 @@ CHUNKED_PREFILL_MIN_TOKENS = 8
 
 
 # Decode steps and verify windows (at most this many tokens a row) compute the depthwise
-# conv as shifted multiply-adds, elementwise, so on every device a row's bits never depend on
-# the window's length or the batch (on a GPU, MLX's conv is not checked to). On CPU, at these sizes MLX's conv kernel sums the K taps in
-# the same order (the bits are mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64
-# rows of input it changes algorithm and rounds differently (16 rows of 5 tokens already):
-# a batched verify window would then differ from the batch's plain steps by ~1e-7, which
-# int8 numerics turn into token changes. This way a row's conv never depends on the batch.
-# (Speed: within noise inside the compiled 0.8B-shaped step.) Issue 23.
+# conv as shifted multiply-adds, elementwise, so on every device a row's bits never depend
+# on the window's length or the batch (on a GPU, MLX's conv was not checked to keep them).
+# On CPU, at these sizes MLX's conv kernel sums the K taps in the same order (the bits are
+# mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64 rows of input it changes
+# algorithm and rounds differently (16 rows of 5 tokens already): a batched verify window
+# would then differ from the batch's plain steps by ~1e-7, which int8 numerics turn into
+# token changes. (Speed: within noise inside the compiled 0.8B-shaped step.) Issue 23.
 DECODE_CONV_MAX_TOKENS = 8
 
 
