@@ -107,25 +107,12 @@ def test_verify_window_on_mlx_ops_is_plain_steps_bit_for_bit(family, checkpoint_
     """Off the native kernels (a GPU's path for the GatedDeltaNet layers), a capturing verify window
     scores each position with the bits of a plain step, and the state it keeps after 3 of 4
     positions is the one 3 plain steps reach: windows step the recurrence token by token."""
+    from verify_windows import assert_window_is_plain_steps
+
     from mtp_serve.models import activations, gdn
-    from mtp_serve.models.caches import SpeculativeGDNCache, keep_verified, set_capture
     from mtp_serve.models.loader import load_model
 
     monkeypatch.setattr(gdn, "NATIVE", False)
     monkeypatch.setattr(activations, "NATIVE", False)
     model = load_model(str(checkpoint_dir(family, agreeable=True))).model
-    prompt, window = mx.array([PROMPTS[1]]), [7, 300, 42, 9]
-    plain, verify, check = model.make_cache(), model.make_cache(), model.make_cache()
-    for cache in (plain, verify, check):
-        mx.eval(model.forward(prompt, cache, last_logits=True))
-    steps = [model.forward(mx.array([[t]]), plain)[1][0, -1] for t in window]
-    set_capture(verify, True)
-    _, logits = model.forward(mx.array([window]), verify)
-    set_capture(verify, False)
-    keep_verified(verify, [3], len(window))
-    for t, step in enumerate(steps):
-        assert mx.array_equal(logits[0, t], step).item(), f"{family}: window position {t} differs from its step"
-    for t in window[:3]:
-        model.forward(mx.array([[t]]), check)
-    kept = [(a, b) for a, b in zip(verify, check) if isinstance(a, SpeculativeGDNCache)]
-    assert kept and all(mx.array_equal(a[1], b[1]).item() and mx.array_equal(a[0], b[0]).item() for a, b in kept)
+    assert_window_is_plain_steps(model, PROMPTS[1], [7, 300, 42, 9], f"{family} on mlx ops")

@@ -564,25 +564,8 @@ def test_int8_verify_window_scores_bit_for_bit_as_plain_steps(family, quantized)
     """With int8 numerics a verify window's logits and the GatedDeltaNet states it keeps are the
     bits of T plain steps. (A WY-form window, exact only to fp32 rounding, once turned int8 rounding
     of the next product's x into token changes at 0.8B shapes: windows step token by token.)"""
-    from mtp_serve.models.caches import SpeculativeGDNCache, keep_verified, set_capture
+    from verify_windows import assert_window_is_plain_steps
 
     lm = quantized(family, 4, "int8")
-    model, prompt, window = lm.model, mx.array([PROMPTS[1]]), [7, 300, 42, 9]
     with numerics("int8"):
-        plain_cache, verify_cache = model.make_cache(), model.make_cache()
-        for cache in (plain_cache, verify_cache):
-            mx.eval(model.forward(prompt, cache, last_logits=True))
-        steps = [model.forward(mx.array([[t]]), plain_cache)[1][0, -1] for t in window]
-        set_capture(verify_cache, True)
-        _, logits = model.forward(mx.array([window]), verify_cache)
-        set_capture(verify_cache, False)
-        keep_verified(verify_cache, [3], len(window))
-        for t, step in enumerate(steps):
-            assert mx.array_equal(logits[0, t], step).item(), f"{family}: window position {t} differs from its step"
-        # the state kept after 3 of 4 positions is the one 3 plain steps reach
-        check_cache = model.make_cache()
-        mx.eval(model.forward(prompt, check_cache, last_logits=True))
-        for t in window[:3]:
-            model.forward(mx.array([[t]]), check_cache)
-        kept = [(a, b) for a, b in zip(verify_cache, check_cache) if isinstance(a, SpeculativeGDNCache)]
-        assert kept and all(mx.array_equal(a[1], b[1]).item() for a, b in kept)
+        assert_window_is_plain_steps(lm.model, PROMPTS[1], [7, 300, 42, 9], family)
