@@ -6,6 +6,7 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
                                     [--numerics exact int8] [--gdn native mlx] [--draft-vocab 0 32768]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
+    python bench/bench_quantized.py --where --rows 0.8b:4              # a step's and a window's time by layer kind
     python bench/bench_quantized.py --window-commit --rows 0.8b:4      # verify windows and commits:
                                                                        # every state vs last state + replay
 
@@ -291,6 +292,71 @@ def window_commit(shape: str, bits: int, T: int = 4, reps: int = 24) -> None:
                           for k, v in by_keep.items()), flush=True)
 
 
+def where_time_goes(shape: str, bits: int, reps: int = 6) -> None:
+    """Where a plain step (T=1) and a verify window (T=4, capturing its states and committing
+    all four, as a round does) spend their time: the forward as it runs, then with an eval after
+    each decoder layer, split into the GatedDeltaNet layers, the attention layers (each with its
+    MLP or MoE) and the final norm with the LM head, each with its milliseconds inside the
+    quantized kernel (medians of `reps`, ms). The per-layer evals stop MLX from overlapping
+    layers, so their sum runs a little over the plain forward."""
+    from mtp_serve.models.caches import keep_verified, set_capture
+
+    model, _ = quantized_model(shape, bits)
+    calibrate_blas_threads(model, Tok())
+    cache = model.make_cache()
+    h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
+    mx.eval(h, [c.state for c in cache])
+    run_layer = model.run_layer
+    parts: dict = {}
+
+    def timed_layer(layer, h, mask, c, rope=None):
+        mx.eval(h)
+        t, k = pc(), qmm_ext.seconds()
+        out = run_layer(layer, h, mask, c, rope)
+        mx.eval(out, c.state)
+        part = parts.setdefault("GatedDeltaNet layers" if layer.is_linear else "attention layers", [0.0, 0.0])
+        part[0], part[1] = part[0] + pc() - t, part[1] + qmm_ext.seconds() - k
+        return out
+
+    def forward(T: int, per_layer: bool) -> dict:
+        parts.clear()
+        x = mx.random.randint(0, 1000, (1, T))
+        mx.eval(x)
+        set_capture(cache, T > 1)
+        model.run_layer = timed_layer if per_layer else run_layer
+        t, k = pc(), qmm_ext.seconds()
+        hidden, logits = model.forward(x, cache)
+        if per_layer:
+            mx.eval(hidden)
+            t1, k1 = pc(), qmm_ext.seconds()
+        mx.eval(hidden, logits, [c.state for c in cache])
+        out = {"forward": (pc() - t, qmm_ext.seconds() - k)}
+        if per_layer:
+            out.update(parts)
+            out["norm and LM head"] = (pc() - t1, qmm_ext.seconds() - k1)
+        model.run_layer = run_layer
+        set_capture(cache, False)
+        if T > 1:
+            keep_verified(cache, [T], T)
+            mx.eval([c.state for c in cache])
+        return out
+
+    for T in (1, 4):
+        for per_layer in (False, True):
+            forward(T, per_layer)  # warm-up (traces, the threads)
+            runs = [forward(T, per_layer) for _ in range(reps)]
+            cells = []
+            for name in runs[0]:
+                wall = statistics.median(r[name][0] for r in runs) * 1e3
+                kern = statistics.median(r[name][1] for r in runs) * 1e3
+                cells.append(f"{name} {wall:.1f} (kernel {kern:.1f})")
+            print(f"[{shape} {bits}-bit] T={T}{', eval after each layer' if per_layer else ''}: " + ", ".join(cells),
+                  flush=True)
+    del model, cache
+    gc.collect()
+    mx.clear_cache()
+
+
 def kernel_only(bits: int, threads: int) -> None:
     """The products alone at Qwen3.5-0.8B's shapes (min of repeated calls, ms): exact and int8
     numerics against MLX's `quantized_matmul` and an fp32 matmul of the same shape; then a
@@ -354,15 +420,22 @@ def main() -> None:
     ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")
     ap.add_argument("--bits", type=int, default=4, help="with --kernel")
     ap.add_argument("--threads", type=int, default=1, help="with --kernel: the kernel's threads")
+    ap.add_argument("--where", action="store_true",
+                    help="where a T=1 step and a T=4 window spend their time, by layer kind, kernel ms beside")
     ap.add_argument("--window-commit", action="store_true",
                     help="T=4 verify windows, commits keeping 1-4: every state written against replays")
     args = ap.parse_args()
     print(BACKEND.note)
     print(qmm_ext.status())
-    if (args.kernel or args.window_commit) and qmm_ext.load() is None:
-        raise SystemExit("--kernel and --window-commit time mtp-serve's CPU kernel, which is off here")
+    if (args.kernel or args.window_commit or args.where) and qmm_ext.load() is None:
+        raise SystemExit("--kernel, --window-commit and --where time mtp-serve's CPU kernel, which is off here")
     if args.kernel:
         kernel_only(args.bits, args.threads)
+        return
+    if args.where:
+        for spec in args.rows:
+            shape, bits = spec.split(":")
+            where_time_goes(shape, int(bits))
         return
     if args.window_commit:
         for spec in args.rows:

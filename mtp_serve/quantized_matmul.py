@@ -54,7 +54,7 @@ from .skinny_gemm import _cache_dir, _cpu_has_avx2_fma
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "quantized_attention.cpp", NATIVE / "gated_delta.cpp",
-           NATIVE / "activations.cpp", NATIVE / "qmm_common.h",
+           NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc",
            NATIVE / "CMakeLists.txt")
 MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)
@@ -148,6 +148,8 @@ def load() -> Optional[ModuleType]:
                 spec.loader.exec_module(ext)
                 if ext.cpu_supported():
                     _EXT = ext
+                    if os.environ.get("MTP_SERVE_NO_VNNI") == "1":
+                        ext.set_vnni(False)  # the AVX2 form (the same bits, slower 8-bit windows)
                     user = os.environ.get("OPENBLAS_NUM_THREADS", "")
                     ext.set_threads(_threads or (int(user) if user.isdigit() else os.cpu_count() or 1))
                 else:
@@ -155,7 +157,7 @@ def load() -> Optional[ModuleType]:
             except (ImportError, OSError) as e:
                 why = f"cannot load {path}: {e}"
     if _EXT is not None:
-        _STATUS = f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics"
+        _STATUS = _kernel_line()
     else:
         _STATUS = f"quantized matmuls: MLX's kernel (mtp-serve's decode kernel off: {why})"
         log.warning("%s", _STATUS)
@@ -166,8 +168,13 @@ def status() -> str:
     """One line for start-up logs (loads the extension if not tried yet)."""
     load()
     if _EXT is not None:  # the numerics may have been set after loading
-        return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics" + _why_numerics()
+        return _kernel_line() + _why_numerics()
     return _STATUS or ""
+
+
+def _kernel_line() -> str:
+    vnni = " on AVX-512 VNNI" if numerics() == "int8" and _EXT.vnni() else ""
+    return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics{vnni}"
 
 
 def _why_numerics() -> str:

@@ -213,6 +213,43 @@ def test_rows_bit_identical_across_row_counts(bits, gs, dtype, mode):
 
 
 @needs_kernel
+@pytest.mark.skipif(qmm_ext.load() is None or not qmm_ext.load().vnni_supported(), reason="no AVX-512 VNNI/VBMI here")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_vnni_and_avx2_forms_give_the_same_bits(bits):
+    """int8 numerics on AVX-512 VNNI (vpdpbusd) and on AVX2 (maddubs/madd) sum the same products into
+    the same lanes: the same bits for every group size, scale dtype and row count, dense and
+    gathered, so a model's output does not depend on which of the two a CPU runs."""
+    ext = qmm_ext.load()
+    before = ext.vnni()
+
+    def both(product):
+        out = []
+        for on in (False, True):
+            ext.set_vnni(on)
+            assert ext.vnni() == on
+            out.append(product())
+            mx.eval(out[-1])
+        return out
+
+    try:
+        with numerics("int8"):
+            for gs in (32, 64, 128):
+                for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+                    w, s, b = _quantized(72 + 8 * i, 512, bits, gs, dtype, seed=gs + i)
+                    for M in (1, 3, 4, 5, 8, 13):
+                        x = mx.random.normal((M, 512), key=mx.random.key(M)) * 3
+                        avx2, vnni = both(lambda: qmm_ext.qmm(x, w, s, b, gs, bits))
+                        assert mx.array_equal(avx2, vnni).item(), f"gs {gs} {dtype} M={M}"
+            E, N, K = 4, 48, 256
+            w, s, b = _quantized(N, K, bits, 64, mx.bfloat16, seed=9, experts=E)
+            xs, ids = mx.random.normal((6, 2, K)), mx.array([0, 1, 1, 3, 3, 3], dtype=mx.uint32)
+            avx2, vnni = both(lambda: qmm_ext.gather_qmm(xs, w, s, b, ids, 64, bits))
+            assert mx.array_equal(avx2, vnni).item()
+    finally:
+        ext.set_vnni(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("mode", ["exact", "int8"])
 def test_threads_give_the_same_bits(mode):
     w, s, b = _quantized(4096, 1024, 4, 64, mx.float32, seed=5)  # large enough to split over threads

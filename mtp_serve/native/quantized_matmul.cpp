@@ -34,7 +34,9 @@
 // instead of 64 FMAs over 8 lanes and the unpacking. The float part of every
 // output element is again one fixed sequence whatever the rows or threads, and
 // quantizing x is per row, so rows stay bit-identical across row counts. It is
-// not MLX's product: x loses precision to int8 (the tests state the error).
+// not MLX's product: x loses precision to int8 (the tests state the error). On CPUs with
+// AVX-512 VNNI and VBMI the integer sums are vpdpbusd instead (qmm_int8.inc), the same bits;
+// 8-bit verify windows gain most (2B shapes, T=4: 181 -> 121 ms in the kernel, measured).
 //
 // Gathered variant (MoE experts, mlx-lm's `gather_qmm`): each (token, expert)
 // pair's rows; pairs are grouped by expert so one expert's weights are read
@@ -269,9 +271,10 @@ struct PrepI8 {
   int K, G, gs, bits;
   std::vector<int8_t> q4;
   std::vector<int16_t> q8;
+  std::vector<int8_t> q8v;  // 8 bits with VNNI: per block of 32, lane i's four (2i, 2i+1, 16+2i, 17+2i)
   std::vector<float> d, xs;
 
-  void build(const float* x, long rows, int K_, int gs_, int bits_) {
+  void build(const float* x, long rows, int K_, int gs_, int bits_, bool vnni) {
     K = K_, gs = gs_, bits = bits_, G = K / gs;
     const int blocks = K / 32;
     std::vector<int8_t> q(K);
@@ -280,7 +283,8 @@ struct PrepI8 {
       q4.resize(size_t(rows) * K);
       d.resize(size_t(rows) * blocks * 4);
     } else {
-      q8.resize(size_t(rows) * K);
+      if (vnni) q8v.resize(size_t(rows) * K);
+      else q8.resize(size_t(rows) * K);
       d.resize(size_t(rows) * blocks);
     }
     xs.resize(size_t(rows) * G);
@@ -301,7 +305,14 @@ struct PrepI8 {
           for (int i = 0; i < 8; i++) dp[8 * c + i] = db[2 * c + i / 4];
         }
       } else {
-        std::copy(q.begin(), q.end(), q8.begin() + size_t(m) * K);
+        if (vnni) {
+          int8_t* p = q8v.data() + size_t(m) * K;
+          for (int b = 0; b < blocks; b++)
+            for (int i = 0; i < 8; i++)
+              for (int j = 0; j < 4; j++) p[32 * b + 4 * i + j] = q[32 * b + (j < 2 ? 2 * i + j : 14 + 2 * i + j)];
+        } else {
+          std::copy(q.begin(), q.end(), q8.begin() + size_t(m) * K);
+        }
         std::copy(db.begin(), db.end(), d.begin() + size_t(m) * blocks);
       }
       // The bias term's sums are of the rounded x (d * sum of its int8s), so that the product is
@@ -320,129 +331,27 @@ struct PrepI8 {
   }
 };
 
-// 4 bits, R rows of W against MM rows of x: per chunk of 64 weights (32 bytes), the
-// low and high nibbles as u8 against the row's int8s (maddubs: at most 2 * 15 * 127
-// a pair, summed low + high in int16: 7620), then to int32 pairs and to float.
-template <int ST, int GS, int R, int MM>
-inline __attribute__((always_inline)) void block_i4(const Job& jb, const int* rows, long n) {
-  const PrepI8& p = *static_cast<const PrepI8*>(jb.prep);
-  const int K = p.K, G = p.G, Kw = K / 8, chunks = K / 64;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq[MM];
-  const float* xd[MM];
-  for (int m = 0; m < MM; m++) {
-    xq[m] = p.q4.data() + size_t(rows[m]) * K;
-    xd[m] = p.d.data() + size_t(rows[m]) * (K / 8);
-  }
-  const uint32_t* wr[R];
-  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
-  __m256 acc[R][MM];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int c = 0; c < chunks; c++) {
-    __m256i lo[R], hi[R];
-    __m256 sv[R];
-    for (int r = 0; r < R; r++) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + 8 * c));
-      lo[r] = _mm256_and_si256(v, low);
-      hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const long g0 = (n + r) * long(G);
-      if constexpr (GS == 32)
-        sv[r] = _mm256_setr_m128(_mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * c)), _mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * c + 1)));
-      else
-        sv[r] = _mm256_set1_ps(ld1<ST>(jb.scales, g0 + c * 64 / GS));
-    }
-    for (int m = 0; m < MM; m++) {
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 64 * c));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 64 * c + 32));
-      const __m256 dv = _mm256_loadu_ps(xd[m] + 8 * c);
-      for (int r = 0; r < R; r++) {
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl), _mm256_maddubs_epi16(hi[r], xh));
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-        acc[r][m] = _mm256_fmadd_ps(f, _mm256_mul_ps(sv[r], dv), acc[r][m]);
-      }
-    }
-  }
-  finish<ST, R, MM>(jb, rows, n, p.xs.data(), G, acc);
-}
+// The blocks and spans, for AVX2/FMA and for AVX-512 VNNI (chosen per call: vnni_on).
+#define QMM_INT8_VNNI 0
+namespace avx2 {
+#include "qmm_int8.inc"
+}  // namespace avx2
+#undef QMM_INT8_VNNI
+#define QMM_INT8_VNNI 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni,avx512vbmi")
+namespace vnni {
+#include "qmm_int8.inc"
+}  // namespace vnni
+#pragma GCC pop_options
+#undef QMM_INT8_VNNI
 
-// 8 bits: per block of 32 weights, u8 -> s16 against the row's int16s (madd: at most
-// 2 * 255 * 127 a pair), to float, scaled by s * d.
-template <int ST, int GS, int R, int MM>
-inline __attribute__((always_inline)) void block_i8(const Job& jb, const int* rows, long n) {
-  const PrepI8& p = *static_cast<const PrepI8*>(jb.prep);
-  const int K = p.K, G = p.G, Kw = K / 4, blocks = K / 32;
-  const int16_t* xq[MM];
-  const float* xd[MM];
-  for (int m = 0; m < MM; m++) {
-    xq[m] = p.q8.data() + size_t(rows[m]) * K;
-    xd[m] = p.d.data() + size_t(rows[m]) * blocks;
-  }
-  const uint32_t* wr[R];
-  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
-  __m256 acc[R][MM];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MM; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int c = 0; c < blocks; c++) {
-    __m256i wa[R], wb[R];
-    float sc[R];
-    for (int r = 0; r < R; r++) {
-      const auto* b = reinterpret_cast<const __m128i*>(wr[r] + 8 * c);
-      wa[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128(b));
-      wb[r] = _mm256_cvtepu8_epi16(_mm_loadu_si128(b + 1));
-      sc[r] = ld1<ST>(jb.scales, (n + r) * long(G) + c * 32 / GS);
-    }
-    for (int m = 0; m < MM; m++) {
-      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * c));
-      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * c + 16));
-      const float dm = xd[m][c];
-      for (int r = 0; r < R; r++) {
-        const __m256i i32 = _mm256_add_epi32(_mm256_madd_epi16(wa[r], xa), _mm256_madd_epi16(wb[r], xb));
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_set1_ps(sc[r] * dm), acc[r][m]);
-      }
-    }
-  }
-  finish<ST, R, MM>(jb, rows, n, p.xs.data(), G, acc);
+bool vnni_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
-
-template <int BITS, int ST, int GS, int R, int MM>
-inline __attribute__((always_inline)) void block_int(const Job& jb, const int* rows, long n) {
-  if constexpr (BITS == 4) block_i4<ST, GS, R, MM>(jb, rows, n);
-  else block_i8<ST, GS, R, MM>(jb, rows, n);
-}
-
-// One row of W at a time against x four rows at a time (then the rest in one block). One
-// sequential stream per thread is what the hardware prefetcher follows best: measured on EPYC
-// (Zen 4), 4 bits, one thread from memory, one row of x: 1024 x 3584 in 86-102 us against 155-164
-// with two rows of W interleaved, the 248,320-row LM head 5.1-5.3 against 5.8-5.9 ms; at four rows
-// of x too (8.1-8.5 against 9.2-12.9 ms), x's loads costing less than the second stream saved.
-template <int BITS, int ST, int GS>
-void span_int(const Job& jb, long n0, long n1) {
-  const int M = jb.nrows, tail = M % 4, full = M - tail;
-  for (long n = n0; n < n1; n++) {
-    for (int m = 0; m < full; m += 4) block_int<BITS, ST, GS, 1, 4>(jb, jb.rows + m, n);
-    if (tail == 1) block_int<BITS, ST, GS, 1, 1>(jb, jb.rows + full, n);
-    else if (tail == 2) block_int<BITS, ST, GS, 1, 2>(jb, jb.rows + full, n);
-    else if (tail == 3) block_int<BITS, ST, GS, 1, 3>(jb, jb.rows + full, n);
-  }
-}
-
-template <int BITS, int ST>
-SpanFn pick_int_gs(int gs) {
-  if (gs == 32) return span_int<BITS, ST, 32>;
-  if (gs == 64) return span_int<BITS, ST, 64>;
-  return span_int<BITS, ST, 128>;
-}
-
-template <int BITS>
-SpanFn pick_int_st(int st, int gs) {
-  if (st == F32) return pick_int_gs<BITS, F32>(gs);
-  if (st == BF16) return pick_int_gs<BITS, BF16>(gs);
-  return pick_int_gs<BITS, F16>(gs);
-}
-
-SpanFn pick_int(int bits, int st, int gs) { return bits == 4 ? pick_int_st<4>(st, gs) : pick_int_st<8>(st, gs); }
+bool vnni_on = vnni_supported();  // set_vnni(False): the AVX2 form (tests compare the two)
 
 // ------------------------------------------------------------------ thread pool
 
@@ -563,9 +472,10 @@ void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool i
   Prep prep;
   PrepI8 prep8;
   int8 = int8 && (bits == 4 || bits == 8);  // 2 bits: the exact kernel
-  if (int8) prep8.build(x, xrows, K, gs, bits);
+  const bool vnni = int8 && vnni_on;
+  if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = int8 ? pick_int(bits, st, gs) : pick(bits, st, gs);
+  const SpanFn fn = !int8 ? pick(bits, st, gs) : vnni ? vnni::pick_int(bits, st, gs) : avx2::pick_int(bits, st, gs);
   const void* pp = int8 ? static_cast<const void*>(&prep8) : static_cast<const void*>(&prep);
   long units = 0;
   for (const auto& sg : segs) units += sg.N;
@@ -794,6 +704,9 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("threads", [] { return pool.threads(); });
   m.def("set_spin_us", [](long us) { pool.set_spin_us(us); }, "us"_a);
   m.def("spin_us", [] { return pool.spin_us(); });
+  m.def("vnni_supported", &vnni_supported);
+  m.def("set_vnni", [](bool on) { vnni_on = on && vnni_supported(); });
+  m.def("vnni", [] { return vnni_on; });
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
