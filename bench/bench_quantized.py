@@ -4,6 +4,7 @@ MTP at a known acceptance, and bytes per step against the memory bandwidth.
     python bench/bench_quantized.py [--rows 0.8b:4 0.8b:8 2b:4 2b:8 4b:4 4b:8 a3b:4 a3b:8]
                                     [--tokens 32] [--depths 1 2 3 4] [--acceptance 0.8] [--fp32-head]
                                     [--numerics exact int8] [--gdn native mlx] [--draft-vocab 0 32768]
+                                    [--vnni on off]
     python bench/bench_quantized.py --compare-heads --rows 0.8b:4      # draft cost: fp32 vs quantized head
     python bench/bench_quantized.py --kernel [--bits 4]                # the products alone, and prefill's
     python bench/bench_quantized.py --where --rows 0.8b:4              # a step's and a window's time by layer kind
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 
 from common import median_seconds, pc, timed_seconds  # noqa: I001  (first: backend set-up before mlx.core)
@@ -142,6 +144,16 @@ def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
     return (n - 1) / (last - first)
 
 
+def vnni_default() -> str:
+    """Whether the int8 kernel runs its AVX-512 VNNI form here (the CPU has it, MTP_SERVE_NO_VNNI unset)."""
+    ext = qmm_ext.load()
+    if ext is None:
+        return "off"
+    if not hasattr(vnni_default, "state"):
+        vnni_default.state = "on" if ext.vnni() else "off"
+    return vnni_default.state
+
+
 def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
     """One row per numerics, on one model."""
     t0 = pc()
@@ -151,18 +163,21 @@ def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
     prompt = mx.random.randint(0, QWEN35_VOCAB, (32,), key=mx.random.key(1)).tolist()
     ref_tok_s = mlx_lm_tok_s(lm, prompt, args.mlx_lm_tokens)
     rows = []
-    for numerics in args.numerics:
-        for recurrence in args.gdn:
-            for dv in args.draft_vocab:
-                qmm_ext.set_numerics(numerics)
-                gdn.NATIVE = recurrence == "native"
-                model.use_draft_vocab(list(range(dv)) if dv else None)
-                model.compiled = CompiledLayers()  # compiled steps keep the numerics and paths they traced
-                kernel = numerics if qmm_ext.load() is not None else "MLX's kernels"  # (a GPU)
-                label = ", ".join([kernel] + [f"{recurrence} GDN"] * (len(args.gdn) > 1)
-                                  + [f"drafts from {dv}" if dv else "drafts from all"] * (len(args.draft_vocab) > 1))
-                rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
+    for numerics, recurrence, dv, vnni in itertools.product(args.numerics, args.gdn, args.draft_vocab, args.vnni):
+        qmm_ext.set_numerics(numerics)
+        if qmm_ext.load() is not None:
+            qmm_ext.load().set_vnni(vnni == "on")
+        gdn.NATIVE = recurrence == "native"
+        model.use_draft_vocab(list(range(dv)) if dv else None)
+        model.compiled = CompiledLayers()  # compiled steps keep the numerics and paths they traced
+        kernel = numerics if qmm_ext.load() is not None else "MLX's kernels"  # (a GPU)
+        label = ", ".join([kernel] + [f"{recurrence} GDN"] * (len(args.gdn) > 1)
+                          + [f"drafts from {dv}" if dv else "drafts from all"] * (len(args.draft_vocab) > 1)
+                          + [f"VNNI {vnni}"] * (len(args.vnni) > 1))
+        rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
     gdn.NATIVE = True
+    if qmm_ext.load() is not None:
+        qmm_ext.load().set_vnni(vnni_default() == "on")
     model.use_draft_vocab(None)
     del model, lm
     gc.collect()
@@ -352,9 +367,6 @@ def where_time_goes(shape: str, bits: int, reps: int = 6) -> None:
                 cells.append(f"{name} {wall:.1f} (kernel {kern:.1f})")
             print(f"[{shape} {bits}-bit] T={T}{', eval after each layer' if per_layer else ''}: " + ", ".join(cells),
                   flush=True)
-    del model, cache
-    gc.collect()
-    mx.clear_cache()
 
 
 def kernel_only(bits: int, threads: int) -> None:
@@ -415,6 +427,8 @@ def main() -> None:
                          "or mlx-lm's ops, a line each")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                     help="the head drafts from the N most frequent tokens (--draft-vocab N; 0: all), a line each")
+    ap.add_argument("--vnni", nargs="+", default=[vnni_default()], choices=["on", "off"],
+                    help="int8 numerics on AVX-512 VNNI where the CPU has it, or the AVX2 form, a line each")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
     ap.add_argument("--kernel", action="store_true", help="only the products alone at 0.8B shapes (and prefill's)")
@@ -436,6 +450,8 @@ def main() -> None:
         for spec in args.rows:
             shape, bits = spec.split(":")
             where_time_goes(shape, int(bits))
+            gc.collect()
+            mx.clear_cache()
         return
     if args.window_commit:
         for spec in args.rows:
