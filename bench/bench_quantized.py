@@ -307,7 +307,7 @@ def window_commit(shape: str, bits: int, T: int = 4, reps: int = 24) -> None:
                           for k, v in by_keep.items()), flush=True)
 
 
-def where_time_goes(shape: str, bits: int, reps: int = 6) -> None:
+def where_time_goes(shape: str, bits: int, reps: int = 6) -> dict:
     """Where a plain step (T=1) and a verify window (T=4, capturing its states and committing
     all four, as a round does) spend their time: the forward as it runs, then with an eval after
     each decoder layer, split into the GatedDeltaNet layers, the attention layers (each with its
@@ -356,17 +356,29 @@ def where_time_goes(shape: str, bits: int, reps: int = 6) -> None:
             mx.eval([c.state for c in cache])
         return out
 
+    found = {}  # (T, per_layer) -> {part: (ms, kernel ms)}
     for T in (1, 4):
         for per_layer in (False, True):
             forward(T, per_layer)  # warm-up (traces, the threads)
             runs = [forward(T, per_layer) for _ in range(reps)]
-            cells = []
-            for name in runs[0]:
-                wall = statistics.median(r[name][0] for r in runs) * 1e3
-                kern = statistics.median(r[name][1] for r in runs) * 1e3
-                cells.append(f"{name} {wall:.1f} (kernel {kern:.1f})")
-            print(f"[{shape} {bits}-bit] T={T}{', eval after each layer' if per_layer else ''}: " + ", ".join(cells),
-                  flush=True)
+            parts_ms = found[T, per_layer] = {
+                name: tuple(statistics.median(r[name][i] for r in runs) * 1e3 for i in (0, 1)) for name in runs[0]}
+            print(f"[{shape} {bits}-bit] T={T}{', eval after each layer' if per_layer else ''}: "
+                  + ", ".join(f"{name} {w:.1f} (kernel {k:.1f})" for name, (w, k) in parts_ms.items()), flush=True)
+    return found
+
+
+def where_table(found: dict) -> None:
+    """--where's rows side by side: ms (kernel ms) of a T=1 step and a T=4 window, then by part."""
+    names = ("GatedDeltaNet layers", "attention layers", "norm and LM head")
+    print("\n| shape, bits | T=1 forward | T=4 window | T=4 / T=1 | "
+          + " | ".join(f"{n}, T=1 / T=4" for n in names) + " |\n|" + "---|" * (4 + len(names)))
+    for (shape, bits), f in found.items():
+        (w1, k1), (w4, k4) = f[1, False]["forward"], f[4, False]["forward"]
+        print(f"| {shape} {bits}-bit | {w1:.1f} ({k1:.1f}) | {w4:.1f} ({k4:.1f}) | {w4 / w1:.2f} | "
+              + " | ".join("{:.1f} ({:.1f}) / {:.1f} ({:.1f})".format(*f[1, True][n], *f[4, True][n]) for n in names)
+              + " |")
+    print("ms (of them in the quantized kernel), medians; by part: with an eval after each layer")
 
 
 def kernel_only(bits: int, threads: int) -> None:
@@ -447,11 +459,13 @@ def main() -> None:
         kernel_only(args.bits, args.threads)
         return
     if args.where:
+        found = {}
         for spec in args.rows:
             shape, bits = spec.split(":")
-            where_time_goes(shape, int(bits))
+            found[shape, bits] = where_time_goes(shape, int(bits))
             gc.collect()
             mx.clear_cache()
+        where_table(found)
         return
     if args.window_commit:
         for spec in args.rows:
