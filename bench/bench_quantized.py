@@ -144,16 +144,6 @@ def mlx_lm_tok_s(lm, prompt: list, n: int) -> float:
     return (n - 1) / (last - first)
 
 
-def vnni_default() -> str:
-    """Whether the int8 kernel runs its AVX-512 VNNI form here (the CPU has it, MTP_SERVE_NO_VNNI unset)."""
-    ext = qmm_ext.load()
-    if ext is None:
-        return "off"
-    if not hasattr(vnni_default, "state"):
-        vnni_default.state = "on" if ext.vnni() else "off"
-    return vnni_default.state
-
-
 def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
     """One row per numerics, on one model."""
     t0 = pc()
@@ -177,7 +167,7 @@ def run_rows(shape: str, bits: int, args, bandwidth: float) -> list:
         rows.append(run_row(lm, text, shape, bits, label, prompt, ref_tok_s, args, bandwidth))
     gdn.NATIVE = True
     if qmm_ext.load() is not None:
-        qmm_ext.load().set_vnni(vnni_default() == "on")
+        qmm_ext.load().set_vnni(args.vnni_start == "on")
     model.use_draft_vocab(None)
     del model, lm
     gc.collect()
@@ -439,7 +429,9 @@ def main() -> None:
                          "or mlx-lm's ops, a line each")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                     help="the head drafts from the N most frequent tokens (--draft-vocab N; 0: all), a line each")
-    ap.add_argument("--vnni", nargs="+", default=[vnni_default()], choices=["on", "off"],
+    # The int8 kernel's AVX-512 VNNI form: on where the CPU has it and MTP_SERVE_NO_VNNI is unset.
+    vnni_start = "on" if qmm_ext.load() is not None and qmm_ext.load().vnni() else "off"
+    ap.add_argument("--vnni", nargs="+", default=[vnni_start], choices=["on", "off"],
                     help="int8 numerics on AVX-512 VNNI where the CPU has it, or the AVX2 form, a line each")
     ap.add_argument("--compare-heads", action="store_true",
                     help="only the draft cost of an unquantized and a quantized head on each row's body (dense shapes)")
@@ -451,6 +443,7 @@ def main() -> None:
     ap.add_argument("--window-commit", action="store_true",
                     help="T=4 verify windows, commits keeping 1-4: every state written against replays")
     args = ap.parse_args()
+    args.vnni_start = vnni_start
     print(BACKEND.note)
     print(qmm_ext.status())
     if (args.kernel or args.window_commit or args.where) and qmm_ext.load() is None:
