@@ -114,11 +114,17 @@ def stream_bandwidth() -> float:
     return 65536 * 2048 * 4 / s
 
 
-def kernel_share(model, T: int, reps: int = 4) -> tuple:
-    """(ms per forward of T tokens, ms of it inside the quantized kernel): where a step's time goes."""
+def primed_cache(model) -> list:
+    """A fresh cache after a 16-token prompt: what the timed steps and windows decode from."""
     cache = model.make_cache()
     h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
     mx.eval(h, [c.state for c in cache])
+    return cache
+
+
+def kernel_share(model, T: int, reps: int = 4) -> tuple:
+    """(ms per forward of T tokens, ms of it inside the quantized kernel): where a step's time goes."""
+    cache = primed_cache(model)
     wall = kern = 0.0
     for i in range(reps + 1):
         x = mx.random.randint(0, 1000, (1, T))
@@ -264,9 +270,7 @@ def window_commit(shape: str, bits: int, T: int = 4, reps: int = 24) -> None:
         return pc() - t
 
     for name, replay in forms.items():
-        caches[name] = model.make_cache()
-        h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), caches[name])
-        mx.eval(h, [c.state for c in caches[name]])
+        caches[name] = primed_cache(model)
         gdn.REPLAY = replay
         compiled[name] = model.compiled = CompiledLayers()  # a compiled window keeps the form of its trace
         for keep in (2, 1, 4):
@@ -308,9 +312,7 @@ def where_time_goes(shape: str, bits: int, reps: int = 6) -> dict:
 
     model, _ = quantized_model(shape, bits)
     calibrate_blas_threads(model, Tok())
-    cache = model.make_cache()
-    h, _ = model.forward(mx.random.randint(0, 1000, (1, 16)), cache)
-    mx.eval(h, [c.state for c in cache])
+    cache = primed_cache(model)
     run_layer = model.run_layer
     parts: dict = {}
 
