@@ -199,8 +199,9 @@ class Scheduler(SchedulerLike):
         stored (the shared system prompt of agents started together)."""
         try:
             hit = self.prompt_cache.restore(seq.prompt_key, needs_head=seq.tracks_head)
-        except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
+        except Exception as e:  # noqa: BLE001 - a cache that fails costs reuse, never the request
             log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
+            self.prompt_cache.failed("lookup", e)
             return
         if hit is not None:
             seq.start_from(hit.n, hit.caches, hit.owed)
@@ -213,8 +214,9 @@ class Scheduler(SchedulerLike):
             return
         try:
             self.prompt_cache.store(tokens, caches, seq.owed.hidden)
-        except Exception:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
+        except Exception as e:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
             log.exception("request %r: prompt-cache snapshot of %d tokens failed", seq.key, len(tokens))
+            self.prompt_cache.failed("snapshot", e)
 
     def _leave(self, seq: Sequence, store: bool = False) -> None:
         if store:

@@ -159,6 +159,8 @@ class PromptCacheCollector:
         yield per_tier(CounterMetricFamily("mtp_prompt_cache_reused_tokens", "Prompt tokens restored from snapshots, by tier",
                                            labels=["tier"]), "reused_{}")
         yield CounterMetricFamily("mtp_prompt_cache_stored", "Snapshots taken", value=s["stored"])
+        yield CounterMetricFamily("mtp_prompt_cache_failures", "Lookups and snapshots that raised (the request went on "
+                                  "without reuse; /v1/stats gives the last reason)", value=s["failures"])
         yield CounterMetricFamily("mtp_prompt_cache_snapshot_seconds", "Engine time spent taking snapshots (copies, "
                                   "bookkeeping, queueing disk writes)", value=s["snapshot_s"])
         yield per_tier(GaugeMetricFamily("mtp_prompt_cache_snapshots", "Snapshots held, by tier", labels=["tier"]), "snapshots_{}")

@@ -223,6 +223,7 @@ def main(argv=None) -> int:
         prompt_cache_interval=args.prompt_cache_interval,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+        prompt_cache_off=ranks.PROMPT_CACHE_OFF if group is not None else None,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         sampling_defaults=generation_defaults(loaded.path),
