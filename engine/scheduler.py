@@ -28,6 +28,7 @@ from .batch import Batch
 from .grammar import GrammarCompiler, GrammarError
 from .policy import DepthPolicy
 from .prefill import prefill
+from .context_drafts import MAX_COPY, MIN_COPY
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
@@ -66,6 +67,7 @@ class Scheduler(SchedulerLike):
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
         sync: Optional[RoundSync] = None,
+        copy_max: int = MAX_COPY,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -73,6 +75,7 @@ class Scheduler(SchedulerLike):
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache
         self.policy = policy or DepthPolicy()
+        self.copy_max = copy_max  # most tokens a row copies from its context per round; 0: no copy drafts
         # Serving across ranks (`distributed.py`): rank 0's decisions (first tokens,
         # depths, drafts, accepted tokens) are shared, and the other ranks take them.
         self.sync = sync
@@ -163,14 +166,19 @@ class Scheduler(SchedulerLike):
             depths = self.policy.depths(rows)
             if self.sync is not None:
                 depths = self.sync.depths(rows, depths)
-            accepted = run_round(self.model, self.batch, depths, self.sync)
+            copies = self._copies(rows) if self.sync is None else None
+            if copies is not None:
+                depths = [0 if c else d for c, d in zip(copies, depths)]
+            accepted = run_round(self.model, self.batch, depths, self.sync, copies)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
             self._drop_batch()
             return [(s.key, e) for s in rows]
-        self.policy.observe(rows, depths, accepted.counts, elapsed)
-        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
+        # A round with copies is no sample of the head's window costs (its window was longer).
+        self.policy.observe(rows, depths, accepted.counts, elapsed if copies is None else None)
+        drafted = accepted.verified.drafts.depths
+        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, drafted, accepted.counts)}
         for i, s in enumerate(rows):
             if _grammar_failed(s):  # its own matcher failed (a grammar-engine limit): this row alone ends
                 out[i] = (s.key, GrammarError(f"the output constraint failed: {s.grammar.error}"))
@@ -178,6 +186,22 @@ class Scheduler(SchedulerLike):
             elif s.finished:
                 self._leave(s, store=True)
         return out
+
+    def _copies(self, rows: List[Sequence]) -> Optional[List[List[int]]]:
+        """Each row's drafts copied from its context this round ([] where it has none or
+        drafts from the head instead); None when no row copies. Rows under a grammar draft
+        from the head alone, and only rows that speculate copy."""
+        out = []
+        for s in rows:
+            chain: List[int] = []
+            limit = min(s.copy_cap.limit, self.copy_max, s.tokens_left - 1)
+            if (s.params.copy_drafts and s.max_depth > 0 and s.grammar is None and limit >= MIN_COPY
+                    and s.copy_cap.ready()):
+                chain = s.context_index().propose(limit)
+                if len(chain) < MIN_COPY:
+                    chain = []
+            out.append(chain)
+        return out if any(out) else None
 
     def _drop_batch(self) -> None:
         """Forget every running row and its caches: after a failed round they may hold

@@ -11,7 +11,8 @@ prompt cache):
 - the same image opening a new conversation reuses the prefix through that image;
 - a different image of the same size reuses nothing from the image on.
 
-Also on the raw layout: the disk tier across a restart, and 8-bit KV.
+Also on the raw layout: the disk tier across a restart, and 8-bit KV; /v1/stats says why a server
+runs without a prompt cache.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def test_vision_language_checkpoint_reuses_prompts(layout, request):
         assert reused < image_start, rows
         stats = httpx.get(cached.root + "/v1/stats").json()["prompt_cache"]
         assert stats["enabled"] and stats["failures"] == 0 and stats["off_reason"] is None
+        off = httpx.get(cold.root + "/v1/stats").json()["prompt_cache"]
+        assert not off["enabled"] and "--prompt-cache-bytes 0" in off["off_reason"]
     finally:
         cached.stop()
         cold.stop()
