@@ -44,6 +44,9 @@ class Metrics:
         self.active = Gauge("mtp_active_sequences", "Sequences the engine is decoding", registry=r)
         self.drafted = Counter("mtp_draft_tokens", "MTP draft tokens proposed, per draft position", ["position"], registry=r)
         self.accepted = Counter("mtp_accepted_tokens", "MTP draft tokens accepted, per draft position", ["position"], registry=r)
+        self.copy_drafted = Counter("mtp_copy_draft_tokens", "Draft tokens copied from the request's own context",
+                                    registry=r)
+        self.copy_accepted = Counter("mtp_copy_accepted_tokens", "Copied draft tokens accepted", registry=r)
         if engine is not None:
             self.queue_depth.set_function(lambda: engine.queue_depth)
             self.active.set_function(lambda: engine.active_count)
@@ -69,6 +72,8 @@ class Metrics:
         for j, (d, a) in enumerate(zip(stats.drafted, stats.accepted)):
             self.drafted.labels(str(j + 1)).inc(d)
             self.accepted.labels(str(j + 1)).inc(a)
+        self.copy_drafted.inc(stats.copy_drafted)
+        self.copy_accepted.inc(stats.copy_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from typing import List, Optional
 from mtp_serve.engine.engine_loop import EngineLoop, RequestHandle
 from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.context_drafts import MAX_COPY
 from mtp_serve.engine.prompt_cache import PromptCacheUnavailable, open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.caches import KVSetting
@@ -46,6 +47,7 @@ class ServerConfig:
     prefill_chunk: int = 512
     mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
     fixed_depth: bool = False  # draft exactly mtp_depth every round instead
+    copy_max: int = MAX_COPY  # --copy-drafts: most tokens a row copies from its context per round; 0: none
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
@@ -104,7 +106,8 @@ class Service:
         prompt_cache = self._open_prompt_cache()
         self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                      prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
-                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
+                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth),
+                                     copy_max=config.copy_max)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,
@@ -206,6 +209,7 @@ class Service:
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
                 constraint=self.chat.engine_constraint(prompt),
+                copy_drafts=fields.speculative is None or fields.speculative.copy_ is not False,
             )
         except ValueError as e:
             raise bad_request(str(e)) from e

@@ -15,7 +15,7 @@ since start-up; a chart turns two polls into a rate, as Prometheus's `rate()` do
      "policy": {"acceptance_per_position": [0.88, 0.81, 0.74]},
      "totals": {"requests": 12, "prompt_tokens": ..., "cached_prompt_tokens": ..., "completion_tokens": ...,
                 "backbone_passes": ..., "drafted_per_position": [...], "accepted_per_position": [...],
-                "max_tokens_lowered": 0},
+                "copy_drafted": ..., "accepted_by_source": {"mtp": ..., "copy": ...}, "max_tokens_lowered": 0},
      "prompt_cache": {"enabled": true, "off_reason": null, "failures": 0, "last_failure": null,
                       "bytes": {"ram": ..., "disk": ...}, "budget_bytes": {...}, "snapshots": {...},
                       "hits": {...}, "misses": 3, "reused_tokens": {...}, "stored": 9, "evictions": {...}}}
@@ -120,6 +120,9 @@ def stats_body(samples: Samples, model: str, mtp_status: Optional[str], prompt_c
             "backbone_passes": one("mtp_backbone_passes_total"),
             "drafted_per_position": [_int(v) for v in _positions(samples, "mtp_draft_tokens_total")],
             "accepted_per_position": [_int(v) for v in _positions(samples, "mtp_accepted_tokens_total")],
+            "copy_drafted": one("mtp_copy_draft_tokens_total"),
+            "accepted_by_source": {"mtp": _int(sum(_positions(samples, "mtp_accepted_tokens_total"))),
+                                   "copy": one("mtp_copy_accepted_tokens_total")},
             "max_tokens_lowered": one("mtp_max_tokens_lowered_total"),
         },
         "prompt_cache": {
