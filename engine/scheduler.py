@@ -32,7 +32,7 @@ from .context_drafts import MAX_COPY, MIN_COPY
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
-from .speculative import RoundSync, run_round
+from .speculative import CertainDrafts, RoundSync, run_round
 
 log = logging.getLogger("mtp_serve.engine")
 _COMPILER_LOCK = threading.Lock()
@@ -166,17 +166,17 @@ class Scheduler(SchedulerLike):
             depths = self.policy.depths(rows)
             if self.sync is not None:
                 depths = self.sync.depths(rows, depths)
-            copies = self._copies(rows) if self.sync is None else None
-            if copies is not None:
-                depths = [0 if c else d for c, d in zip(copies, depths)]
-            accepted = run_round(self.model, self.batch, depths, self.sync, copies)
+            certain = self._certain_drafts(rows) if self.sync is None else None
+            if certain is not None:
+                depths = [0 if c else d for c, d in zip(certain.chains, depths)]
+            accepted = run_round(self.model, self.batch, depths, self.sync, certain)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
             self._drop_batch()
             return [(s.key, e) for s in rows]
-        # A round with copies is no sample of the head's window costs (its window was longer).
-        self.policy.observe(rows, depths, accepted.counts, elapsed if copies is None else None)
+        # A round with certain drafts is no sample of the head's window costs (its window was longer).
+        self.policy.observe(rows, depths, accepted.counts, elapsed if certain is None else None)
         drafted = accepted.verified.drafts.depths
         self.last_round = {s.key: (d, m) for s, d, m in zip(rows, drafted, accepted.counts)}
         for i, s in enumerate(rows):
@@ -187,21 +187,25 @@ class Scheduler(SchedulerLike):
                 self._leave(s, store=True)
         return out
 
-    def _copies(self, rows: List[Sequence]) -> Optional[List[List[int]]]:
-        """Each row's drafts copied from its context this round ([] where it has none or
-        drafts from the head instead); None when no row copies. Rows under a grammar draft
-        from the head alone, and only rows that speculate copy."""
-        out = []
+    def _certain_drafts(self, rows: List[Sequence]) -> Optional[CertainDrafts]:
+        """Drafts that come with certainty, for rows that speculate: under a grammar, the
+        tokens it forces next; otherwise up to the row's copy limit of tokens copied from its
+        context (at least MIN_COPY, else the head drafts). None when no row has any."""
+        chains, sources = [], []
         for s in rows:
-            chain: List[int] = []
-            limit = min(s.copy_cap.limit, self.copy_max, s.tokens_left - 1)
-            if (s.params.copy_drafts and s.max_depth > 0 and s.grammar is None and limit >= MIN_COPY
-                    and s.copy_cap.ready()):
-                chain = s.context_index().propose(limit)
-                if len(chain) < MIN_COPY:
-                    chain = []
-            out.append(chain)
-        return out if any(out) else None
+            chain, source = [], ""
+            if s.max_depth > 0 and s.tokens_left > 1:
+                if s.grammar is not None:
+                    chain, source = s.grammar.forced(min(self.copy_max or MAX_COPY, s.tokens_left - 1)), "forced"
+                elif s.params.copy_drafts and self.copy_max > 0:
+                    limit = min(s.copy_cap.limit, self.copy_max, s.tokens_left - 1)
+                    if limit >= MIN_COPY and s.copy_cap.ready():
+                        chain, source = s.context_index().propose(limit), "copy"
+                        if len(chain) < MIN_COPY:
+                            chain = []
+            chains.append(chain)
+            sources.append(source if chain else "")
+        return CertainDrafts(chains, sources) if any(chains) else None
 
     def _drop_batch(self) -> None:
         """Forget every running row and its caches: after a failed round they may hold

@@ -1,6 +1,6 @@
 """The speculative round over the running batch (1..B rows), top to bottom:
 
-    drafts   = draft(model, batch, depths, copies)  # row i: K_i tokens from the MTP head, or copied
+    drafts   = draft(model, batch, depths, certain)  # row i: K_i tokens from the MTP head, copied or forced
     verified = verify(model, batch, drafts)  # one backbone pass over [x, d_1 .. d_W-1] per row
     accepted = accept(verified, batch.rows)  # row i keeps m_i <= K_i drafts, plus one token
     commit(batch, accepted)                  # each row's caches keep exactly what it kept
@@ -15,9 +15,9 @@ cache holds entries up to two positions before x, and the row's owed pairs
 yields the first draft.
 
 Per-row depth: row i drafts K_i tokens (0 .. its cap; `policy.py` chooses), from the
-MTP head or, where the scheduler found them, copied from the row's context
-(`context_drafts.py`): a copied chain comes with certainty, its draft distribution
-q a point mass, and the head does not run over it.
+MTP head or, where the scheduler found them, drafts that come with certainty: copied
+from the row's context (`context_drafts.py`) or the only tokens its grammar admits
+next. Their draft distribution q is a point mass, and the head does not run over them.
 The verify window is W = max K_i + 1 wide for every row. A row's positions
 past K_i + 1 are padding: drafted greedily (no randomness consumed), never
 accepted, and trimmed from its caches by the commit like any rejected draft.
@@ -77,7 +77,7 @@ class Drafts:
     grammar_start: List[int]  # row i: tokens its matcher held before this round's drafts
     head_steps: int = 0  # entries the head chained on its own drafts (dropped again at the commit)
     absorbed: bool = False  # the head ran over every row's owed pairs (the commit starts them afresh)
-    copied: Optional[List[bool]] = None  # row i's drafts were copied from its context
+    sources: Optional[List[str]] = None  # row i's drafts came with certainty: "copy" or "forced" ("": the head's)
 
     @property
     def width(self) -> int:
@@ -126,11 +126,11 @@ class RoundSync(Protocol):
 
 
 def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[RoundSync] = None,
-              copies: Optional[List[List[int]]] = None) -> Accepted:
-    """`copies`: row i's drafts copied from its context (its depth is then 0). With `sync`
-    (serving across ranks, `distributed.py`), rank 0's drafts and accept decisions are
-    shared and the other ranks use them (no copies)."""
-    drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths, copies)
+              certain: Optional["CertainDrafts"] = None) -> Accepted:
+    """`certain`: rows' drafts copied from their context or forced by their grammar (their
+    depth is then 0). With `sync` (serving across ranks, `distributed.py`), rank 0's drafts
+    and accept decisions are shared and the other ranks use them (no certain drafts)."""
+    drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths, certain)
     verified = verify(model, batch, drafts)
     accepted = sync.accept(verified, batch.rows) if sync else accept(verified, batch.rows)
     commit(batch, accepted)
@@ -140,15 +140,22 @@ def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[R
 # ---------------------------------------------------------------- 1. draft
 
 
-def draft(model: MTPModel, batch: Batch, depths: List[int], copies: Optional[List[List[int]]] = None) -> Drafts:
+@dataclass
+class CertainDrafts:
+    """Drafts that come with certainty, per row ([] and "" where a row has none)."""
+
+    chains: List[List[int]]
+    sources: List[str]  # "copy": from the row's context; "forced": the only tokens its grammar admits
+
+
+def draft(model: MTPModel, batch: Batch, depths: List[int], certain: Optional[CertainDrafts] = None) -> Drafts:
     """The head over each row's owed pairs gives d_1; then it chains on its own hidden.
     Every row runs through the head (absorbing its owed pairs) when any row drafts from
     it; when none does, the head only absorbs the pairs rows piled up meanwhile. Rows
-    with `copies` draft those tokens instead (their depth is 0)."""
+    with `certain` drafts draft those tokens instead (their depth is 0)."""
     rows = batch.rows
-    copied = [bool(c) for c in copies] if copies is not None and any(copies) else None
     K = max(depths)
-    width = max([K] + [len(c) for c in copies]) if copied else K
+    width = max([K] + [len(c) for c in certain.chains]) if certain is not None else K
     noise = [position_noise(s.params.seed, len(s.committed), width + 1, model.vocab_size) if coupled(s.params) else None
              for s in rows]
     masks = [[] if s.grammar is not None else None for s in rows]
@@ -157,7 +164,7 @@ def draft(model: MTPModel, batch: Batch, depths: List[int], copies: Optional[Lis
         if batch.head_cache is not None and max(len(s.owed) for s in rows) > MAX_OWED_PAIRS:
             head_over_owed(model, batch, keep_last=True)
         drafts = Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
-        return _with_copies(drafts, rows, copies, model.vocab_size) if copied else drafts
+        return _with_certain(drafts, rows, certain, model.vocab_size) if certain is not None else drafts
     q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
     hidden, logits = head_over_owed(model, batch)
     rope = batch.rope
@@ -190,25 +197,31 @@ def draft(model: MTPModel, batch: Batch, depths: List[int], copies: Optional[Lis
                 mx.async_eval(logits)  # the head runs while the CPU computes the next masks
     drafts = Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
                     grammar_start, head_steps=K - 1, absorbed=True)
-    return _with_copies(drafts, rows, copies, model.vocab_size) if copied else drafts
+    return _with_certain(drafts, rows, certain, model.vocab_size) if certain is not None else drafts
 
 
-def _with_copies(drafts: Drafts, rows: List[Sequence], copies: List[List[int]], vocab: int) -> Drafts:
-    """The head's drafts with the copying rows' chains put in: the window widens to the
-    longest chain (the other rows' extra positions are padding), and each sampled row
-    that matches no target draw gets its chain's q, a point mass on each token."""
-    W = max([max(drafts.depths)] + [len(c) for c in copies])
+def _with_certain(drafts: Drafts, rows: List[Sequence], certain: CertainDrafts, vocab: int) -> Drafts:
+    """The head's drafts with the certain chains put in: the window widens to the longest
+    chain (the other rows' extra positions are padding); each sampled row that matches no
+    target draw gets its chain's q, a point mass on each token; a constrained row's matcher
+    takes its chain, with the mask at each position (as the head's drafts do)."""
+    W = max([max(drafts.depths)] + [len(c) for c in certain.chains])
     head = drafts.tokens.tolist() if drafts.tokens is not None else [[] for _ in rows]
     tokens, depths, q = [], list(drafts.depths), list(drafts.q)
-    for i, (s, c) in enumerate(zip(rows, copies)):
+    for i, (s, c) in enumerate(zip(rows, certain.chains)):
         row = c if c else head[i]
         tokens.append(row + [row[-1] if row else 0] * (W - len(row)))
-        if c:
-            depths[i] = len(c)
-            if not _accepts_by_match(s):
-                q[i] = mx.where(mx.arange(vocab)[None] == mx.array(c)[:, None], 0.0, -mx.inf)
+        if not c:
+            continue
+        depths[i] = len(c)
+        if not _accepts_by_match(s):
+            q[i] = mx.where(mx.arange(vocab)[None] == mx.array(c)[:, None], 0.0, -mx.inf)
+        if s.grammar is not None:
+            for t in c:
+                drafts.masks[i].append(s.grammar.mask())
+                s.grammar.consume([t])
     return Drafts(depths, mx.array(tokens), q, drafts.noise, drafts.masks, drafts.grammar_start,
-                  drafts.head_steps, drafts.absorbed, [bool(c) for c in copies])
+                  drafts.head_steps, drafts.absorbed, certain.sources)
 
 
 def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
@@ -343,8 +356,10 @@ def commit(batch: Batch, accepted: Accepted) -> None:
             s.owed.append(hidden, emitted)
         s.primary = emitted[-1]
         s.stats.backbone_passes += 1
-        if drafts.copied is not None and drafts.copied[i]:
-            s.stats.record_copy(drafts.depths[i], m)
-            s.copy_cap.observe(drafts.depths[i], m)
+        source = drafts.sources[i] if drafts.sources is not None else ""
+        if source:
+            s.stats.record_certain(source, drafts.depths[i], m)
+            if source == "copy":
+                s.copy_cap.observe(drafts.depths[i], m)
         else:
             s.stats.record_round(drafts.depths[i], m)

@@ -44,9 +44,10 @@ class Metrics:
         self.active = Gauge("mtp_active_sequences", "Sequences the engine is decoding", registry=r)
         self.drafted = Counter("mtp_draft_tokens", "MTP draft tokens proposed, per draft position", ["position"], registry=r)
         self.accepted = Counter("mtp_accepted_tokens", "MTP draft tokens accepted, per draft position", ["position"], registry=r)
-        self.copy_drafted = Counter("mtp_copy_draft_tokens", "Draft tokens copied from the request's own context",
-                                    registry=r)
-        self.copy_accepted = Counter("mtp_copy_accepted_tokens", "Copied draft tokens accepted", registry=r)
+        self.certain_drafted = Counter("mtp_certain_draft_tokens", "Draft tokens that came with certainty, by source: "
+                                       "copied from the request's own context, or forced by its grammar", ["source"],
+                                       registry=r)
+        self.certain_accepted = Counter("mtp_certain_accepted_tokens", "Those accepted, by source", ["source"], registry=r)
         if engine is not None:
             self.queue_depth.set_function(lambda: engine.queue_depth)
             self.active.set_function(lambda: engine.active_count)
@@ -72,8 +73,9 @@ class Metrics:
         for j, (d, a) in enumerate(zip(stats.drafted, stats.accepted)):
             self.drafted.labels(str(j + 1)).inc(d)
             self.accepted.labels(str(j + 1)).inc(a)
-        self.copy_drafted.inc(stats.copy_drafted)
-        self.copy_accepted.inc(stats.copy_accepted)
+        for source in ("copy", "forced"):
+            self.certain_drafted.labels(source).inc(getattr(stats, source + "_drafted"))
+            self.certain_accepted.labels(source).inc(getattr(stats, source + "_accepted"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

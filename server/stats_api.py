@@ -15,7 +15,8 @@ since start-up; a chart turns two polls into a rate, as Prometheus's `rate()` do
      "policy": {"acceptance_per_position": [0.88, 0.81, 0.74]},
      "totals": {"requests": 12, "prompt_tokens": ..., "cached_prompt_tokens": ..., "completion_tokens": ...,
                 "backbone_passes": ..., "drafted_per_position": [...], "accepted_per_position": [...],
-                "copy_drafted": ..., "accepted_by_source": {"mtp": ..., "copy": ...}, "max_tokens_lowered": 0},
+                "drafted_by_source": {"mtp": ..., "copy": ..., "forced": ...}, "accepted_by_source": {...},
+                "max_tokens_lowered": 0},
      "prompt_cache": {"enabled": true, "off_reason": null, "failures": 0, "last_failure": null,
                       "bytes": {"ram": ..., "disk": ...}, "budget_bytes": {...}, "snapshots": {...},
                       "hits": {...}, "misses": 3, "reused_tokens": {...}, "stored": 9, "evictions": {...}}}
@@ -93,6 +94,10 @@ def stats_body(samples: Samples, model: str, mtp_status: Optional[str], prompt_c
     def per_tier(name):
         return {t: _int(v) for t, v in sorted(_by(samples, name, "tier").items())}
 
+    def per_source(name):
+        by = _by(samples, name, "source")
+        return {s: _int(by.get(s, 0)) for s in ("copy", "forced")}
+
     return {
         "object": "stats",
         "time": time.time(),
@@ -120,9 +125,10 @@ def stats_body(samples: Samples, model: str, mtp_status: Optional[str], prompt_c
             "backbone_passes": one("mtp_backbone_passes_total"),
             "drafted_per_position": [_int(v) for v in _positions(samples, "mtp_draft_tokens_total")],
             "accepted_per_position": [_int(v) for v in _positions(samples, "mtp_accepted_tokens_total")],
-            "copy_drafted": one("mtp_copy_draft_tokens_total"),
+            "drafted_by_source": {"mtp": _int(sum(_positions(samples, "mtp_draft_tokens_total"))),
+                                  **per_source("mtp_certain_draft_tokens_total")},
             "accepted_by_source": {"mtp": _int(sum(_positions(samples, "mtp_accepted_tokens_total"))),
-                                   "copy": one("mtp_copy_accepted_tokens_total")},
+                                   **per_source("mtp_certain_accepted_tokens_total")},
             "max_tokens_lowered": one("mtp_max_tokens_lowered_total"),
         },
         "prompt_cache": {

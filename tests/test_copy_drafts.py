@@ -25,7 +25,7 @@ from mtp_serve.engine import speculative
 from mtp_serve.engine.batch import Batch
 from mtp_serve.engine.prefill import prefill
 from mtp_serve.engine.sequence import new_sequence
-from mtp_serve.engine.speculative import run_round
+from mtp_serve.engine.speculative import CertainDrafts, run_round
 from mtp_serve.engine.context_drafts import ContextIndex
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.policy import DepthPolicy
@@ -153,7 +153,7 @@ def test_long_copied_chain_rejected_part_way_rolls_back_exactly(family, loaded):
     batch.add(seq)
     chain = ref[1:41]
     chain[35] = (chain[35] + 1) % 200
-    accepted = run_round(lm.model, batch, [0], copies=[chain])
+    accepted = run_round(lm.model, batch, [0], certain=CertainDrafts([chain], ["copy"]))
     assert accepted.counts == [35] and accepted.tokens[0] == ref[1:37]
     out += accepted.tokens[0]
     seq.apply(accepted.emitted(0))
@@ -257,3 +257,30 @@ def test_chi_square_catches_a_wrong_residual(loaded, monkeypatch):
     monkeypatch.undo()
     assert drafted - accepted >= 100
     assert min(distribution_pvalues(lm, prompt, seqs)) < 0.001
+
+
+# ---------------------------------------------------------------- grammar-forced tokens
+
+NESTED = {"type": "object", "additionalProperties": False, "required": ["user", "tags"], "properties": {
+    "user": {"type": "object", "additionalProperties": False, "required": ["id", "address"], "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+        "address": {"type": "object", "additionalProperties": False, "required": ["zip"],
+                    "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}},
+    "tags": {"type": "array", "items": {"enum": ["alpha", "beta"]}, "minItems": 1, "maxItems": 2}}}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_grammar_forced_tokens_keep_constrained_output_and_count_as_accepted(family, loaded):
+    from mtp_serve.engine.grammar import Constraint
+
+    lm = loaded(family, agreeable=True)
+    params = SamplingParams(max_tokens=80, constraint=Constraint.json_schema(NESTED))
+    ref, _ = run(lm, [11, 22, 33, 44], params, depth=0, copy_max=0)
+    for depth in (1, 2):
+        ours, stats = run(lm, [11, 22, 33, 44], params, depth=depth)
+        assert ours == ref, depth
+        # '{"user":{"id":' and the keys after it: the grammar admits nothing else, so all land.
+        assert stats.forced_drafted >= 10 and stats.forced_accepted == stats.forced_drafted, stats
+    seeded = SamplingParams(max_tokens=80, temperature=1.0, seed=7, constraint=Constraint.json_schema(NESTED))
+    on, stats = run(lm, [11, 22, 33, 44], seeded, depth=2)
+    assert on == run(lm, [11, 22, 33, 44], seeded, depth=0, copy_max=0)[0] and stats.forced_accepted > 0

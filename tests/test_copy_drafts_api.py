@@ -45,7 +45,7 @@ def test_copies_are_reported_and_switch_off_per_request(copy_server):
     assert on.usage.speculative["copy_accepted"] > 0 and off.usage.speculative["copy_drafted"] == 0
     totals = httpx.get(copy_server.root + "/v1/stats").json()["totals"]
     assert totals["accepted_by_source"]["copy"] >= on.usage.speculative["copy_accepted"]
-    assert "mtp_copy_accepted_tokens_total" in httpx.get(copy_server.root + "/metrics").text
+    assert 'mtp_certain_accepted_tokens_total{source="copy"}' in httpx.get(copy_server.root + "/metrics").text
 
 
 @pytest.mark.parametrize("path,body", [
