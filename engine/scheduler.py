@@ -190,15 +190,17 @@ class Scheduler(SchedulerLike):
     def _certain_drafts(self, rows: List[Sequence]) -> Optional[CertainDrafts]:
         """Drafts that come with certainty, for rows that speculate: under a grammar, the
         tokens it forces next; otherwise up to the row's copy limit of tokens copied from its
-        context (at least MIN_COPY, else the head drafts). None when no row has any."""
+        context (at least MIN_COPY, else the head drafts). None when no row has any. Every row
+        of a batch verifies the longest chain's window, so a batch shares the copy length out."""
         chains, sources = [], []
+        most = self.copy_max if len(rows) == 1 else max(2 * MIN_COPY, self.copy_max // len(rows))
         for s in rows:
             chain, source = [], ""
             if s.max_depth > 0 and s.tokens_left > 1:
                 if s.grammar is not None:
                     chain, source = s.grammar.forced(min(self.copy_max or MAX_COPY, s.tokens_left - 1)), "forced"
                 elif s.params.copy_drafts and self.copy_max > 0:
-                    limit = min(s.copy_cap.limit, self.copy_max, s.tokens_left - 1)
+                    limit = min(s.copy_cap.limit, most, s.tokens_left - 1)
                     if limit >= MIN_COPY and s.copy_cap.ready():
                         chain, source = s.context_index().propose(limit), "copy"
                         if len(chain) < MIN_COPY:
