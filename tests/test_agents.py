@@ -207,7 +207,7 @@ def vision_language_server(checkpoint_dir):
     """The synthetic model as a vision-language checkpoint (Qwen3_5ForConditionalGeneration with a
     vision tower), the form real Qwen3.5/3.6 checkpoints ship in."""
     s = serve(checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True, vision=True), served_model_name="demo",
-              mtp_depth=2)
+              mtp_depth=2, max_context=DEMO_CONTEXT)
     assert s.service.loaded.model.vision is not None
     yield s
     s.stop()
