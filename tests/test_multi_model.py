@@ -2,7 +2,7 @@
 404 in each API's shape, /v1/models, lazy loading and LRU unloading under --max-loaded-bytes,
 pinned models, a model too big for the budget, concurrent streams to two models (each
 greedy-identical to its model served alone, with MTP), one model's failure leaving the other
-alone, and the TOML config (the example in configs/ served end to end)."""
+alone, and the TOML config (the example in examples/ served end to end)."""
 
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def test_waiting_for_a_load(dense, moe):
 
 
 def test_config_parses_and_refuses_mistakes():
-    f = models_config.read_config(str(ROOT / "configs" / "claude_code_two_models.toml"))
+    f = models_config.read_config(str(ROOT / "examples" / "claude_code_two_models.toml"))
     assert [m["name"] for m in f.models] == ["main", "fast"]
     assert "claude-haiku-4-5" in f.models[1]["aliases"] and f.models[0]["mtp"] and not f.models[1]["mtp"]
     assert f.max_loaded_bytes == 16 << 30 and f.prompt_cache_bytes == 4 << 30
@@ -303,9 +303,9 @@ def test_config_parses_and_refuses_mistakes():
 
 
 def test_example_config_served_end_to_end(dense, moe, tmp_path):
-    """configs/claude_code_two_models.toml with the synthetic checkpoints as its paths, through
+    """examples/claude_code_two_models.toml with the synthetic checkpoints as its paths, through
     the CLI's own steps: Claude Code's model names reach the two models."""
-    text = (ROOT / "configs" / "claude_code_two_models.toml").read_text()
+    text = (ROOT / "examples" / "claude_code_two_models.toml").read_text()
     text = text.replace('name = "main"', f'name = "main"\npath = "{dense}"').replace('name = "fast"', f'name = "fast"\npath = "{moe}"')
     (tmp_path / "two.toml").write_text(text)
     args = argparse.Namespace(config=str(tmp_path / "two.toml"), model=None, max_loaded_bytes=None, prompt_cache_bytes=None,

@@ -19,7 +19,7 @@ from test_server_support import serve
 
 pytestmark = pytest.mark.e2e  # live servers on loopback
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "mtp-serve.json"
+DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / "mtp-serve.json"
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}  # what Chromium sends
 
 
