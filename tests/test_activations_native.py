@@ -1,5 +1,5 @@
-"""Sigmoid, SiLU and SwiGLU on mtp-serve's native CPU kernel (mtp_serve/native/activations.cpp,
-issue 23): MLX's bits for every float32, so decode steps keep mlx-lm's numbers while the
+"""Sigmoid, SiLU and SwiGLU on mtp-serve's native CPU kernel (mtp_serve/native/activations.cpp):
+MLX's bits for every float32, so decode steps keep mlx-lm's numbers while the
 activations cost a fraction of MLX's one-element-at-a-time exp."""
 
 import mtp_serve  # noqa: F401  (preloads OpenBLAS before mlx.core)

@@ -1,6 +1,5 @@
 """What the real APIs refuse is refused here too, with a 400 in the API's own shape, and
-an assistant prefill continues the reply (issue 30: Responses input by type, defect 5;
-the API-conformance items of defect 9). Real HTTP against the scripted model."""
+an assistant prefill continues the reply. Real HTTP against the scripted model."""
 
 import httpx
 import pytest

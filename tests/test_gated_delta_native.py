@@ -1,5 +1,5 @@
 """The GatedDeltaNet recurrence of decode steps and verify windows on mtp-serve's native
-CPU kernel (mtp_serve/native/gated_delta.cpp, issue 23): the bits of mlx-lm's own step
+CPU kernel (mtp_serve/native/gated_delta.cpp): the bits of mlx-lm's own step
 op, for one token and for every position of a window, so plain decoding keeps mlx-lm's
 numbers and a verify window's positions are the bits of plain steps."""
 

@@ -1,4 +1,4 @@
-"""Hardening, second round (issue 30): grammars compiled off the engine thread within a budget,
+"""Hardening: grammars compiled off the engine thread within a budget,
 no 500 from constraints or tool schemas, special-token text in constraints, the disk writer
 under write errors, and a clean stop. A real uvicorn server on loopback (the shared agreeable
 synthetic model), the engine itself, and `mtp-serve` in its own process for the stop."""

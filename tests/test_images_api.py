@@ -1,4 +1,4 @@
-"""Images in through every API (issue 25, the server's part): chat `image_url`, Messages `image`
+"""Images in through every API: chat `image_url`, Messages `image`
 blocks (also inside `tool_result`), Responses `input_image`; data URLs, base64 and http(s) URLs
 served from a loopback HTTP server; every bad image a 400 in the API's own shape, streamed or
 not; the image-pad tokens of the rendered prompt, in order, one run of `n_tokens` per image;

@@ -1,4 +1,4 @@
-"""Several models behind one server (issue 26): routing by name and alias on every API, the
+"""Several models behind one server: routing by name and alias on every API, the
 404 in each API's shape, /v1/models, lazy loading and LRU unloading under --max-loaded-bytes,
 pinned models, a model too big for the budget, concurrent streams to two models (each
 greedy-identical to its model served alone, with MTP), one model's failure leaving the other

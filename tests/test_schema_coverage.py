@@ -1,4 +1,4 @@
-"""The schemas people really send (issue 29): oneOf, unknown formats, dependencies,
+"""The schemas people really send: oneOf, unknown formats, dependencies,
 dependentRequired, uniqueItems, if/then, recursive $ref with siblings. Each is served or
 refused as json_schema_mode says, relaxed keywords are reported with their paths, the
 finished output's `valid` agrees with jsonschema on the full schema, and MTP output equals

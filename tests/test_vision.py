@@ -1,4 +1,4 @@
-"""Image input's building blocks (issue 25): preprocessing, the vision tower, M-RoPE.
+"""Image input's building blocks: preprocessing, the vision tower, M-RoPE.
 
 References: transformers' Qwen2VLImageProcessor (PIL backend) for preprocessing, and
 mlx-vlm 0.7.10's Qwen3.5 vision tower, get_rope_index and interleaved M-RoPE

@@ -1,4 +1,4 @@
-"""Images in the engine (issue 25): with images in the prompt, greedy MTP output is
+"""Images in the engine: with images in the prompt, greedy MTP output is
 token-identical to greedy plain output (depths 1-3, one and two images, batched rows
 with and without images, after a prompt-cache restore from memory and from disk,
 under a grammar); the image reaches the model (a different image changes the
