@@ -96,9 +96,9 @@ def stock_converted(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def scripted_checkpoint(tmp_path_factory):
-    """The scripted model of test_server_support (trained once per session): fixed replies
+    """The scripted model of tests/support/server.py (trained once per session): fixed replies
     with reasoning, tool calls and malformed tool text."""
-    from test_server_support import write_scripted_checkpoint
+    from support.server import write_scripted_checkpoint
 
     return write_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model")
 
@@ -106,7 +106,7 @@ def scripted_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
     """A live server (MTP depth 2) on the agreeable synthetic model, one per test module."""
-    from test_server_support import serve
+    from support.server import serve
 
     # Fixed depth: on the tiny model drafting would not pay, and the measured policy would stop it.
     s = serve(checkpoint_dir("qwen3_5", agreeable=True), mtp_depth=2, fixed_depth=True)
@@ -117,7 +117,7 @@ def server(checkpoint_dir):
 @pytest.fixture(scope="module")
 def scripted(scripted_checkpoint):
     """A live server on the scripted model, one per test module."""
-    from test_server_support import serve
+    from support.server import serve
 
     s = serve(scripted_checkpoint)
     yield s

@@ -5,7 +5,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from test_server_support import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL, serve
+from support.server import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL, serve
 
 pytestmark = pytest.mark.e2e
 

@@ -107,7 +107,7 @@ def test_verify_window_on_mlx_ops_is_plain_steps_bit_for_bit(family, checkpoint_
     """Off the native kernels (a GPU's path for the GatedDeltaNet layers), a capturing verify window
     scores each position with the bits of a plain step, and the state it keeps after 3 of 4
     positions is the one 3 plain steps reach: windows step the recurrence token by token."""
-    from verify_windows import assert_window_is_plain_steps
+    from support.verify_windows import assert_window_is_plain_steps
 
     from mtp_serve.models import activations, gdn
     from mtp_serve.models.loader import load_model

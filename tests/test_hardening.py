@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mtp_serve.server.limits import Limits
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

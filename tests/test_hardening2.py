@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mtp_serve.engine.grammar import Constraint, GrammarCompiler, GrammarError
-from test_server_support import WEATHER_TOOL
+from support.server import WEATHER_TOOL
 
 MSG = [{"role": "user", "content": "Hello, model."}]
 CHAT, COMPLETIONS, MESSAGES, RESPONSES, COUNT = ("/v1/chat/completions", "/v1/completions", "/v1/messages",

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_server_support import LiveServer, free_port
+from support.server import LiveServer, free_port
 
 import uvicorn
 
@@ -363,7 +363,7 @@ def test_claude_code_main_and_fast_models(checkpoint_dir, tmp_path):
     models: two turns complete, and both models answer (counted per model in /metrics). In
     `-p` mode this Claude Code sends no small-fast request of its own, so the second turn
     continues the conversation on the fast model by one of its aliases (`--model`)."""
-    from npm_clients import npm_bin
+    from support.npm_clients import npm_bin
 
     from test_agents import clean_env
 

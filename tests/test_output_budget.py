@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from npm_clients import metric
+from support.npm_clients import metric
 from test_hardening import ENDPOINTS, assert_error, post
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

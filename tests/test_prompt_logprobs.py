@@ -9,7 +9,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

@@ -601,7 +601,7 @@ def test_int8_verify_window_scores_bit_for_bit_as_plain_steps(family, quantized)
     """With int8 numerics a verify window's logits and the GatedDeltaNet states it keeps are the
     bits of T plain steps. (A WY-form window, exact only to fp32 rounding, once turned int8 rounding
     of the next product's x into token changes at 0.8B shapes: windows step token by token.)"""
-    from verify_windows import assert_window_is_plain_steps
+    from support.verify_windows import assert_window_is_plain_steps
 
     lm = quantized(family, 4, "int8")
     with numerics("int8"):

@@ -16,7 +16,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from mtp_serve.server.limits import Limits
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

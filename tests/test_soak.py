@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import free_port
+from support.server import free_port
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

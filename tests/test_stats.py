@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtp_serve.server.stats_api import Stats
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # live servers on loopback
 

@@ -372,10 +372,10 @@ def test_tower_mrope_and_rope_index_match_transformers(vl):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_reference_forward_reads_the_synthetic_checkpoint_as_mtp_serve_does(family, checkpoint_dir, loaded):
-    """tests/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
+    """tests/support/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
     text, and its logits after an image depend on the image."""
     pytest.importorskip("mlx_vlm.models.qwen3_5")
-    from vlm_reference import reference_logits
+    from support.vlm_reference import reference_logits
 
     path = checkpoint_dir(family, vision=True)
     lm = loaded(family, vision=True)
