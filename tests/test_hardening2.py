@@ -206,8 +206,8 @@ def test_a_choice_past_the_row_limit_is_served(server, stream):
 
 @E2E
 def test_a_grammar_failing_late_fails_its_own_row_only(server):
-    """A grammar whose limit shows only after the probe's first tokens: the engine ends that row with
-    an error (in the API's shape) and the row beside it completes."""
+    """A grammar whose limit shows only after the probe's first tokens: the engine ends that row, whose
+    client gets a 400 in the API's shape naming the constraint, and the row beside it completes."""
     late = 'start: /[a-z]{24}/ a\na: "x" a'
 
     async def main():
@@ -218,9 +218,9 @@ def test_a_grammar_failing_late_fails_its_own_row_only(server):
 
     bad, good = asyncio.run(main())
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 30, good.text[:300]
-    assert bad.status_code in (200, 500), bad.text[:300]
-    if bad.status_code == 500:  # the late failure: an error in the API's shape, not a dropped connection
-        assert bad.json()["error"]["type"] == "server_error"
+    assert bad.status_code == 400, bad.text[:300]  # the request's own grammar: a 400 naming it, not a 500
+    err = bad.json()["error"]
+    assert err["code"] == "invalid_constraint" and "the output constraint failed" in err["message"], err
 
 
 def test_engine_ends_a_failed_grammar_row_alone(demo_model):
