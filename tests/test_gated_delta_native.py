@@ -13,8 +13,9 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve.models import gdn
 from mtp_serve.models.gdn import gated_delta_steps
+from support.native import needs_native
 
-pytestmark = pytest.mark.skipif(gdn.native_recurrence() is None, reason="native kernel not built on this machine")
+pytestmark = needs_native(gdn.native_recurrence() is not None, qmm_ext.status())
 
 
 def _inputs(B, T, Hk, Hv, Dk, Dv, seed):

@@ -40,12 +40,13 @@ from mtp_serve.models.quantized_layers import (
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
 from mtp_serve.testing.synthetic import FAMILIES
+from support.native import needs_qmm_kernel
 
 REL_TOL = 2e-5
 INT8_REF_TOL = 1e-5  # int8 numerics against the numpy reference of the same scheme
 INT8_MLX_TOL = 2e-2  # int8 numerics against MLX's exact product (x's int8 rounding)
 
-needs_kernel = pytest.mark.skipif(qmm_ext.load() is None, reason=f"kernel unavailable: {qmm_ext.status()}")
+needs_kernel = needs_qmm_kernel()
 
 
 @contextmanager
