@@ -79,6 +79,22 @@ def both(dense, moe):
         yield s
 
 
+def test_prompt_size_is_checked_against_the_routed_models_context(dense):
+    """A prompt whose text alone is too long for the default model's context (refused before it is
+    tokenized) is served by a second model whose context holds it."""
+    models = Models.serving(load_model(str(dense)), cfg("main", max_context=64),
+                            more=[extra("long", dense, max_context=4096)])
+    with MultiServer(models).start() as s:
+        text = "a " * (s.service.max_token_bytes * 64 // 2 + 1)  # its bytes alone are over 64 tokens' worth
+        r = post(s, "chat", "main", text=text, max_tokens=1)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "bytes of text" in err["message"], err
+        r = post(s, "chat", "long", text=text, max_tokens=1)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["prompt_tokens"] > 64
+
+
 def request(api: str, model, text: str = HI, max_tokens: int = 12, stream: bool = False) -> tuple:
     msgs = [{"role": "user", "content": text}]
     m = {} if model is None else {"model": model}
