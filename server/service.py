@@ -187,7 +187,7 @@ class Service:
                 stop_token_ids=tuple(stop_token_ids),
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
-                constraint=self.chat.engine_constraint(prompt),
+                constraint=prompt.engine_constraint,
             )
         except ValueError as e:
             raise bad_request(str(e)) from e
