@@ -46,7 +46,7 @@ if [ "$want_test" = 1 ]; then
     fi
   fi
   if command -v npm >/dev/null; then
-    # One folder per agent under .work/ (where tests/npm_clients.py looks): dir, binary, package.
+    # One folder per agent under .work/ (where tests/support/npm_clients.py looks): dir, binary, package.
     for agent in "opencode opencode opencode-ai" "claude claude @anthropic-ai/claude-code" "codex codex @openai/codex"; do
       set -- $agent
       mkdir -p ".work/$1"

@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefill-check", dest="prefill_check", action="store_false")
     p.add_argument("--no-session", dest="session", action="store_false")
     p.add_argument("--compare-attention", action="store_true",
-                   help="also time 8-bit and 4-bit decode through mlx-lm's quantized attention (the path before issue 27)")
+                   help="also time 8-bit and 4-bit decode through mlx-lm's quantized attention (before mtp-serve's quantized attention kernel)")
     p.add_argument("--system-tokens", type=int, default=3000, help="session: shared system prompt")
     p.add_argument("--session-turns", type=int, default=3)
     p.add_argument("--session-max-tokens", type=int, default=32)

@@ -17,7 +17,7 @@ real forward, and the script times, interleaving the settings every iteration
 - a verify window (T=K+1=4, GatedDeltaNet capture on);
 - one MTP head step (a draft, T=1, over the head's own KV);
 and for the quantized settings the same through mlx-lm's quantized attention
-(--compare-attention; the path before issue 27). "MTP x (est.)" is what those
+(--compare-attention; the path without mtp-serve's kernel). "MTP x (est.)" is what those
 costs give a depth-3 round at per-draft acceptance --acceptance:
 (1 + a + a^2 + a^3) plain steps' tokens for one verify and three head steps,
 and "MTP tok/s (est.)" those tokens over that round's time.

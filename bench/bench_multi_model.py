@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=3, help="main model's MTP depth cap")
     args = p.parse_args(argv)
 
-    from test_server_support import free_port  # noqa: F401
+    from support.server import free_port  # noqa: F401
     from test_multi_model import MultiServer
 
     main_path, fast_path = args.main or default_model_path(), args.fast or default_model_path()

@@ -13,7 +13,7 @@ with the disk tier it is stopped after turn --restart-after and started again
 on the same folder. Per request: prompt tokens, tokens reused (usage
 cached_tokens), tokens prefilled, time to first token.
 
-Targets (issue 13): after a conversation's first turn >= 90% of the prompt is
+Targets: after a conversation's first turn >= 90% of the prompt is
 reused; a new conversation's first turn reuses >= 95% of the shared prefix (the
 system message with the tools, up to the first user message); after a restart
 the next turn of an old conversation reuses >= 90%.

@@ -199,7 +199,7 @@ def run_row(lm, text: dict, shape: str, bits: int, numerics: str, prompt: list, 
         for K in args.depths:
             toks, tok_s, tpr = decode(lm, prompt, args.tokens, K)
             same = toks == reference[: len(toks)]
-            if not BACKEND.exact_windows:  # a GPU: reported, not promised (README, "MLX's CUDA backend")
+            if not BACKEND.exact_windows:  # a GPU: reported, not promised (docs/quantized.md, "MLX's CUDA backend")
                 row.setdefault("identical", {})[K] = same
             elif qmm_ext.numerics() == "exact" or qmm_ext.default_numerics() == "int8":  # int8: see default_numerics
                 assert same, "MTP changed the output"

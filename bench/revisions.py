@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ("engine", "models", "server", "configs")  # mapped into mtp_serve.* by pyproject.toml
+PACKAGE_DIRS = ("engine", "models", "server", "configs")  # mapped into mtp_serve.* by setup.py
 
 WORKER = r'''
 import json, sys, time

@@ -8,7 +8,7 @@ quantized and plain matmuls, gathered experts, causal attention, norms, the dept
 the GatedDeltaNet recurrence of a window), this computes M rows at once and each row
 alone and prints, per M, "ok" or the rows whose bits differ and by how much. On CPU,
 mtp-serve's own kernels take the decode products (`tests/test_quantized_matmul.py`); this
-script calls MLX's, which is what runs on a GPU backend (README, "MLX's CUDA backend").
+script calls MLX's, which is what runs on a GPU backend (docs/quantized.md, "MLX's CUDA backend").
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
+from .grammar import GrammarError
 from .memory import release_idle_memory
 from .policy import DepthPolicy
 from .context_drafts import MAX_COPY
@@ -53,6 +54,11 @@ class EngineStopped(RuntimeError):
 
 class EngineError(RuntimeError):
     """A request failed inside the engine; the message names the cause."""
+
+
+class ConstraintFailed(EngineError):
+    """The request's own output constraint failed while decoding (a grammar that hits one of its
+    limits only after some tokens): the client's input, not the server, so the message is the client's."""
 
 
 _DONE = object()
@@ -284,7 +290,9 @@ class EngineLoop:
                     continue
                 if isinstance(item, BaseException):
                     log.error("request %d failed: %s: %s", key, type(item).__name__, item)
-                    self._retire(handle, EngineError(f"{type(item).__name__}: {item}"))
+                    failed = ConstraintFailed(str(item)) if isinstance(item, GrammarError) else \
+                        EngineError(f"{type(item).__name__}: {item}")
+                    self._retire(handle, failed)
                     continue
                 self._deliver(handle, item)
                 if item.finish_reason:

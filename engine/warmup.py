@@ -56,7 +56,7 @@ def calibrate_blas_threads(model: MTPModel, tokenizer, depth: int = 0, steps: in
     one thread, a choice plain steps alone had made (bench/bench_decode_matmuls.py). A
     model whose round takes longer than `slow_step_s` is bandwidth-bound and keeps
     every core and the skinny sgemm without measuring (it streams weights ~2x faster
-    there: README, "Decode matmuls").
+    there: docs/architecture.md, "The CPU kernels").
     Quantized layers on mtp-serve's kernel (`quantized_matmul.py`) share the thread count;
     a model with such layers is timed whatever its step takes: that kernel unpacks
     weights in arithmetic, so one thread can beat two on a busy machine.

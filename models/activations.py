@@ -15,7 +15,7 @@ graph, on a 2-core machine whose cores the quantized products keep busy.
 
 `install_native_activations` swaps mlx-lm's MLP, RMS norm, RoPE and gated RMS norm classes
 (by instance, as the GatedDeltaNet swap) and the MoE experts' SwiGLU to subclasses that call
-these; their weights and names stay mlx-lm's. Issue 23.
+these; their weights and names stay mlx-lm's.
 """
 
 from __future__ import annotations

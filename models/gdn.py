@@ -53,7 +53,7 @@ CHUNKED_PREFILL_MIN_TOKENS = 8
 # mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64 rows of input it changes
 # algorithm and rounds differently (16 rows of 5 tokens already): a batched verify window
 # would then differ from the batch's plain steps by ~1e-7, which int8 numerics turn into
-# token changes. (Speed: within noise inside the compiled 0.8B-shaped step.) Issue 23.
+# token changes. (Speed: within noise inside the compiled 0.8B-shaped step.)
 DECODE_CONV_MAX_TOKENS = 8
 
 
@@ -149,7 +149,7 @@ class ReplayStates:
 
 
 # Decode steps and verify windows run the recurrence on mtp-serve's native CPU kernel when
-# it is built (False: mlx-lm's ops; benchmarks compare). Issue 23.
+# it is built (False: mlx-lm's ops; benchmarks compare).
 NATIVE = True
 
 # Native verify windows write their last state and replay a shorter commit (`ReplayStates`);

@@ -11,7 +11,7 @@ bits whatever the rows beside it (verify windows score like plain steps).
 Larger dense inputs (prefill) dequantize the weight to fp32 for the call and take
 the fp32 matmul: MLX 0.32's CPU `quantized_matmul` costs about T times its
 one-row cost (1.8 s for 512 rows of a 3584 x 1024 4-bit product, against 29 ms
-dequantized; measured in issue 23). Nothing fp32 stays resident: the weight is
+dequantized; bench/bench_quantized.py). Nothing fp32 stays resident: the weight is
 dequantized per call, in slices of at most `DEQUANT_SLICE` elements. Gathered
 experts beyond the kernel's rows and anything the kernel does not take go to MLX
 as before. Works inside mx.compile (the kernel is an MLX primitive).

@@ -50,7 +50,7 @@ GPU_WINDOWS_NOTE = (
     "on MLX's GPU backend a verify window is not bit for bit T single steps: on CUDA, causal "
     "attention over several queries, unquantized matmuls of 2+ rows (cuBLAS) and quantized ones of 8+ "
     "rows round differently, so greedy MTP output can leave plain decoding's at near-ties "
-    "(README, \"MLX's CUDA backend\")"
+    "(docs/quantized.md, \"MLX's CUDA backend\")"
 )
 
 

@@ -27,7 +27,7 @@ greedy MTP leaves plain decoding's tokens. The preloaded OpenBLAS gave a small p
 row (attention's q.k and p.v) different bits at 1 row and at 4; the skinny sgemm shim
 now takes those products on a row-invariant kernel (`skinny_gemm.row_invariant`), and
 MLX's own sgemm (no OpenBLAS) is row-invariant, so int8 MTP is token-identical to int8
-plain on every family (tests/test_quantized_matmul.py; issue 23). With OpenBLAS but no
+plain on every family (tests/test_quantized_matmul.py). With OpenBLAS but no
 shim (MTP_SERVE_NO_SKINNY_GEMM=1, MTP_SERVE_NO_ROW_INVARIANT=1, a CPU without AVX2) the
 default stays exact.
 """

@@ -72,11 +72,15 @@ class ChatPrompt:
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
     images: tuple = ()  # PreparedImage per image, in prompt order; each fills n_tokens image-pad tokens of `ids`
+    # What the engine enforces from the first output token (reasoning stays free): built and compiled
+    # with the prompt, off the engine thread (`ChatFormat.engine_constraint`).
+    engine_constraint: Optional[Constraint] = None
 
     @classmethod
-    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = ()) -> "ChatPrompt":
+    def raw(cls, ids: List[int], constraint: Optional[Constraint] = None, checkpoints: tuple = (),
+            opens_reasoning: bool = False, engine_constraint: Optional[Constraint] = None) -> "ChatPrompt":
         """A prompt given as text or ids (/v1/completions): the output is not parsed."""
-        return cls("", ids, constraint, False, "none", None, checkpoints)
+        return cls("", ids, constraint, opens_reasoning, "none", None, checkpoints, engine_constraint=engine_constraint)
 
     @property
     def image_tokens(self) -> int:
@@ -251,10 +255,11 @@ class ChatFormat:
             ids = self.expand_images(ids, images, messages_param)
         for marker, token in markers.items():
             text = text.replace(marker, token)
-        prompt = ChatPrompt(text, ids, constraints.one_of(forced, output), opens, parser, tools, self.checkpoints(ids), images)
-        if prompt.constraint is not None:
-            self.check_constraint(self.engine_constraint(prompt))
-        return prompt
+        constraint = constraints.one_of(forced, output)
+        engine = self.engine_constraint(constraint, opens)
+        if engine is not None:
+            self.check_constraint(engine)  # compiled here, on the tokenizer thread; the engine copies it
+        return ChatPrompt(text, ids, constraint, opens, parser, tools, self.checkpoints(ids), images, engine)
 
     def expand_images(self, ids: List[int], images: tuple, param: str) -> List[int]:
         """The template writes one image-pad token per image; each becomes the image's
@@ -282,22 +287,14 @@ class ChatFormat:
             raise bad_request("the prompt has image placeholder tokens but a raw prompt cannot carry images; send "
                               "images as content parts to /v1/chat/completions, /v1/messages or /v1/responses", param)
 
-    def engine_constraint(self, prompt: ChatPrompt) -> Optional[Constraint]:
-        """What the engine enforces from the first output token: reasoning stays free. The same
-        object each time for a prompt, so what `check_constraint` compiled for it (off the engine
-        thread) is what the engine gets."""
-        c = prompt.constraint
+    def engine_constraint(self, c: Optional[Constraint], opens_reasoning: bool) -> Optional[Constraint]:
+        """What the engine enforces from the first output token for the output constraint `c`:
+        reasoning stays free when the prompt opens a think block."""
         if c is None:
             return None
-        made = prompt.__dict__.get("_engine_constraint")
-        if made is not None and made[0] is c and made[1] == prompt.opens_reasoning:
-            return made[2]
-        if not prompt.opens_reasoning:
-            out = Constraint(c.kind, c.source).carry(c)  # what the engine reads, nothing more (and c's compiled matcher)
-        else:
-            out = constraints.after_reasoning(c, self.added_tokens)
-        prompt.__dict__["_engine_constraint"] = (c, prompt.opens_reasoning, out)
-        return out
+        if not opens_reasoning:
+            return Constraint(c.kind, c.source).carry(c)  # what the engine reads, nothing more (and c's compiled matcher)
+        return constraints.after_reasoning(c, self.added_tokens)
 
     # -- output
 

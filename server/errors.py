@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mtp_serve.engine.engine_loop import EngineError, EngineStopped, QueueFull
+from mtp_serve.engine.engine_loop import ConstraintFailed, EngineError, EngineStopped, QueueFull
 
 log = logging.getLogger("mtp_serve.server")
 
@@ -163,6 +163,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(EngineStopped)
     async def _stopped(request: Request, exc: EngineStopped):
         return respond(request, 503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+
+    @app.exception_handler(ConstraintFailed)
+    async def _constraint(request: Request, exc: ConstraintFailed):
+        return respond(request, 400, str(exc), "invalid_request_error", code="invalid_constraint")
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):

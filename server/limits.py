@@ -9,8 +9,9 @@ rejects what JSON or the model cannot take: nesting deeper than
 arguments), NaN / Infinity (not JSON; Python's parser lets them through), lone
 UTF-16 surrogates (not text; the tokenizer cannot encode them); and counts the
 request's messages, tools and stop strings. The text it finds also bounds the
-prompt from below (`Limits.min_prompt_tokens`), so a prompt that cannot fit
-the context is refused before it is rendered and tokenized.
+prompt from below (its bytes over the longest token's), so a prompt that cannot fit
+the routed model's context is refused before it is rendered and tokenized
+(`check_prompt_bytes`, called by `models_registry.service_for` once the model is known).
 """
 
 from __future__ import annotations
@@ -128,10 +129,18 @@ async def check_request(request: Request) -> None:
         body = await request.json()
     except Exception:  # noqa: BLE001 - not JSON: FastAPI's own validation answers it
         return
-    svc = request.app.state.service
+    svc = request.app.state.service  # the limits are the server's; the context is the routed model's
     scan = await svc.run_cpu(scan_body, body, svc.config.limits)
     if request.url.path not in COUNT_ONLY:  # counting a prompt too long for the context still answers its count
-        svc.check_prompt_bytes(scan.prompt_bytes)
+        request.state.prompt_bytes = scan.prompt_bytes  # checked by `service_for` against the routed model
+
+
+def check_prompt_bytes(request: Request, svc) -> None:
+    """The routed model's check of the prompt's text size (`Service.check_prompt_bytes`), before any
+    rendering or tokenizing; a no-op for requests `check_request` did not measure."""
+    n_bytes = getattr(request.state, "prompt_bytes", None)
+    if n_bytes is not None:
+        svc.check_prompt_bytes(n_bytes)
 
 
 class BodyLimitMiddleware:

@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mtp_serve.engine.engine_loop import EngineLoop
 from mtp_serve.server.errors import APIError
+from mtp_serve.server.limits import check_prompt_bytes
 from mtp_serve.server.service import ServerConfig, Service, generation_defaults, model_max_context
 
 log = logging.getLogger("mtp_serve.models")
@@ -374,6 +375,9 @@ class LeaseMiddleware:
 
 
 async def service_for(request, name: Optional[str]) -> Service:
-    """The route's one call: the Service serving `name` (the default model when empty), ready."""
+    """The route's one call: the Service serving `name` (the default model when empty), ready, with
+    the request's prompt size checked against that model's context."""
     models: Models = request.app.state.models
-    return await models.acquire(name, request.scope.get("mtp_leases"))
+    svc = await models.acquire(name, request.scope.get("mtp_leases"))
+    check_prompt_bytes(request, svc)
+    return svc

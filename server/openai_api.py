@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
 from typing import Callable, List, Optional
 
 from fastapi import APIRouter, Request
@@ -248,9 +247,11 @@ async def completions(req: CompletionRequest, request: Request):
             return openai_stream(svc, scored_stream(rid, created, model, echo, scored, len(ids), include_usage(req)), request.scope)
         return respond(svc.metrics, request.scope, completion_body(rid, created, model, echo, "length", scored,
                                                                        usage(Usage.of(None, len(ids)))))
-    prompt = ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids))
-    if req.thinking_token_budget is not None:  # the budget counts from a think block the prompt opens
-        prompt = replace(prompt, opens_reasoning=svc.chat.reasoning_parser != "none" and prompt_opens_reasoning(svc.tokenizer.decode(ids)))
+    # The thinking budget counts from a think block the prompt opens; the constraint then applies after it.
+    opens = (req.thinking_token_budget is not None and svc.chat.reasoning_parser != "none"
+             and prompt_opens_reasoning(svc.tokenizer.decode(ids)))
+    prompt = ChatPrompt.raw(ids, constraint, svc.chat.checkpoints(ids), opens_reasoning=opens,
+                            engine_constraint=svc.chat.engine_constraint(constraint, opens))
     run = svc.start(request, prompt, req, max_tokens=req.max_tokens, stop=req.stop_list,
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=req.logprobs,
                     options=Options(parse=False, prompt_param="prompt"))

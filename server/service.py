@@ -208,7 +208,7 @@ class Service:
                 stop_token_ids=tuple(stop_token_ids),
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
-                constraint=self.chat.engine_constraint(prompt),
+                constraint=prompt.engine_constraint,
                 copy_drafts=fields.speculative is None or fields.speculative.copy_ is not False,
             )
         except ValueError as e:

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Callable, List, Optional
 from sse_starlette import EventSourceResponse
 from starlette.types import Scope
 
-from mtp_serve.engine.engine_loop import EngineError, EngineStopped
+from mtp_serve.engine.engine_loop import ConstraintFailed, EngineError, EngineStopped
 from mtp_serve.server.errors import internal_error
 
 
@@ -26,6 +26,10 @@ def sse_response(svc, events: AsyncIterator[dict], scope: Scope, *, on_error: Ca
                 yield event
         except EngineStopped as e:
             status = 503
+            for event in on_error(e):
+                yield event
+        except ConstraintFailed as e:  # the request's own grammar failed: its message is the client's
+            status = 400
             for event in on_error(e):
                 yield event
         except asyncio.CancelledError:

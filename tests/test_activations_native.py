@@ -1,5 +1,5 @@
-"""Sigmoid, SiLU and SwiGLU on mtp-serve's native CPU kernel (mtp_serve/native/activations.cpp,
-issue 23): MLX's bits for every float32, so decode steps keep mlx-lm's numbers while the
+"""Sigmoid, SiLU and SwiGLU on mtp-serve's native CPU kernel (mtp_serve/native/activations.cpp):
+MLX's bits for every float32, so decode steps keep mlx-lm's numbers while the
 activations cost a fraction of MLX's one-element-at-a-time exp."""
 
 import mtp_serve  # noqa: F401  (preloads OpenBLAS before mlx.core)
@@ -11,10 +11,12 @@ import pytest
 from mlx_lm.models.activations import precise_swiglu, swiglu
 from mlx_lm.models.gated_delta import normalize_qk as mlx_lm_normalize_qk
 
+from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve.models import activations
+from support.native import needs_native
 
 ext = activations._native(mx.zeros(1))
-pytestmark = pytest.mark.skipif(ext is None, reason="native kernel not built on this machine")
+pytestmark = needs_native(ext is not None, qmm_ext.status())
 
 
 def _values() -> mx.array:

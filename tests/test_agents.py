@@ -13,7 +13,7 @@ an agent's prompt run to thousands of tokens (minutes a turn on 2 cores), the sy
 after a handful, so a turn costs little more than its prefill. Its tokenizer makes the agents'
 prompts about 12k (opencode), 13-17k (Claude Code) and 20k (Codex) tokens: a prompt that does
 not fit 16,384 is the agent's own limit, and there the test checks the user is told so.
-The agents come from npm (`./install.sh --test`); tests/npm_clients.py finds them.
+The agents come from npm (`./install.sh --test`); tests/support/npm_clients.py finds them.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from npm_clients import REPO, failed_requests, metric, npm_bin
-from test_server_support import serve
+from support.npm_clients import REPO, failed_requests, metric, npm_bin
+from support.server import serve
 
 pytestmark = pytest.mark.agents
 

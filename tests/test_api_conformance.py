@@ -1,12 +1,11 @@
 """What the real APIs refuse is refused here too, with a 400 in the API's own shape, and
-an assistant prefill continues the reply (issue 30: Responses input by type, defect 5;
-the API-conformance items of defect 9). Real HTTP against the scripted model."""
+an assistant prefill continues the reply. Real HTTP against the scripted model."""
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from test_server_support import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL, serve
+from support.server import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL, serve
 
 pytestmark = pytest.mark.e2e
 

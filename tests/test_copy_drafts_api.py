@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""First start on a fresh machine (issue 22): with MLX's kernel cache empty, the first chat
+"""First start on a fresh machine: with MLX's kernel cache empty, the first chat
 request after start-up answers about as fast as the third, greedy and sampled, streamed and not.
 Start-up's warm-up runs requests through the engine (server/warmup.py) so they compile what a
 first request needs; before it, the first request paid 21 s for 200 tokens, later ones 1.8 s.

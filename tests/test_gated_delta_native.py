@@ -1,5 +1,5 @@
 """The GatedDeltaNet recurrence of decode steps and verify windows on mtp-serve's native
-CPU kernel (mtp_serve/native/gated_delta.cpp, issue 23): the bits of mlx-lm's own step
+CPU kernel (mtp_serve/native/gated_delta.cpp): the bits of mlx-lm's own step
 op, for one token and for every position of a window, so plain decoding keeps mlx-lm's
 numbers and a verify window's positions are the bits of plain steps."""
 
@@ -13,8 +13,9 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve.models import gdn
 from mtp_serve.models.gdn import gated_delta_steps
+from support.native import needs_native
 
-pytestmark = pytest.mark.skipif(gdn.native_recurrence() is None, reason="native kernel not built on this machine")
+pytestmark = needs_native(gdn.native_recurrence() is not None, qmm_ext.status())
 
 
 def _inputs(B, T, Hk, Hv, Dk, Dv, seed):

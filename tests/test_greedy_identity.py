@@ -23,7 +23,7 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.testing.synthetic import FAMILIES
 
 NEAR_TIE = 1e-4
-# what this file's own tests allow: nothing where the small products are row-invariant (issue 23)
+# what this file's own tests allow: nothing where the small products are row-invariant
 ALLOWED_TIE = 0.0 if skinny_gemm.row_invariant() or not BACKEND.blas else NEAR_TIE
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 130, 3)), [200] * 5 + [201, 202]]
 N_TOKENS = 64
@@ -86,7 +86,7 @@ def test_greedy_identity_agreeable_head_runs_accept_and_reject(family, checkpoin
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_greedy_identity_on_mlx_ops_without_the_native_kernels(family, checkpoint_dir, monkeypatch):
     """Where the native recurrence and activations are off (not built, MTP_SERVE_NO_QMM=1, a GPU),
-    mlx-lm's ops compute them, and greedy MTP still equals plain mlx-lm (issue 23)."""
+    mlx-lm's ops compute them, and greedy MTP still equals plain mlx-lm."""
     from mtp_serve.models import activations, gdn
     from mtp_serve.models.loader import load_model
 
@@ -107,7 +107,7 @@ def test_verify_window_on_mlx_ops_is_plain_steps_bit_for_bit(family, checkpoint_
     """Off the native kernels (a GPU's path for the GatedDeltaNet layers), a capturing verify window
     scores each position with the bits of a plain step, and the state it keeps after 3 of 4
     positions is the one 3 plain steps reach: windows step the recurrence token by token."""
-    from verify_windows import assert_window_is_plain_steps
+    from support.verify_windows import assert_window_is_plain_steps
 
     from mtp_serve.models import activations, gdn
     from mtp_serve.models.loader import load_model

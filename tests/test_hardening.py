@@ -1,4 +1,4 @@
-"""Hostile and careless clients (issue 16): every bad input is a 4xx in the API's own shape on
+"""Hostile and careless clients: every bad input is a 4xx in the API's own shape on
 every endpoint, streamed or not; limits; the API key; bounded metrics labels; special tokens in
 client text; the OpenAPI schema; no internals in a 500. A real uvicorn server on loopback."""
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mtp_serve.server.limits import Limits
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

@@ -1,4 +1,4 @@
-"""Hardening, second round (issue 30): grammars compiled off the engine thread within a budget,
+"""Hardening: grammars compiled off the engine thread within a budget,
 no 500 from constraints or tool schemas, special-token text in constraints, the disk writer
 under write errors, and a clean stop. A real uvicorn server on loopback (the shared agreeable
 synthetic model), the engine itself, and `mtp-serve` in its own process for the stop."""
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mtp_serve.engine.grammar import Constraint, GrammarCompiler, GrammarError
-from test_server_support import WEATHER_TOOL
+from support.server import WEATHER_TOOL
 
 MSG = [{"role": "user", "content": "Hello, model."}]
 CHAT, COMPLETIONS, MESSAGES, RESPONSES, COUNT = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
@@ -162,6 +162,23 @@ def test_the_engine_uses_the_matcher_the_check_compiled(demo_model):
     assert plain.prepared() is c.prepared()
 
 
+def test_a_rendered_prompt_carries_its_engine_constraint_compiled(demo_model):
+    """Rendering builds what the engine enforces and compiles it there (a tokenizer thread in the
+    server): the prompt's engine_constraint arrives prepared, with or without an open think block."""
+    from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+    from mtp_serve.server.chat import ChatFormat
+
+    gc = GrammarCompiler(hf_tokenizer(demo_model.tokenizer), demo_model.model.vocab_size, demo_model.tokenizer.eos_token_ids)
+    chat = ChatFormat(demo_model.tokenizer, demo_model.card, check_constraint=gc.check)
+    output = Constraint.choice(["yes", "no"])
+    for thinking in (False, True):
+        prompt = chat.render([{"role": "user", "content": "Yes or no?"}], output=output,
+                             template_kwargs={"enable_thinking": thinking})
+        assert prompt.opens_reasoning == thinking and prompt.constraint is output
+        assert prompt.engine_constraint.prepared() is not None, thinking
+        assert (prompt.engine_constraint.source == output.source) == (not prompt.opens_reasoning)
+
+
 def test_the_budget_refuses_oversized_constraints(demo_model):
     from mtp_serve.engine.grammar import GrammarBudget
     from mtp_serve.models.mlx_lm_compat import hf_tokenizer
@@ -206,8 +223,8 @@ def test_a_choice_past_the_row_limit_is_served(server, stream):
 
 @E2E
 def test_a_grammar_failing_late_fails_its_own_row_only(server):
-    """A grammar whose limit shows only after the probe's first tokens: the engine ends that row with
-    an error (in the API's shape) and the row beside it completes."""
+    """A grammar whose limit shows only after the probe's first tokens: the engine ends that row, whose
+    client gets a 400 in the API's shape naming the constraint, and the row beside it completes."""
     late = 'start: /[a-z]{24}/ a\na: "x" a'
 
     async def main():
@@ -218,9 +235,9 @@ def test_a_grammar_failing_late_fails_its_own_row_only(server):
 
     bad, good = asyncio.run(main())
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 30, good.text[:300]
-    assert bad.status_code in (200, 500), bad.text[:300]
-    if bad.status_code == 500:  # the late failure: an error in the API's shape, not a dropped connection
-        assert bad.json()["error"]["type"] == "server_error"
+    assert bad.status_code == 400, bad.text[:300]  # the request's own grammar: a 400 naming it, not a 500
+    err = bad.json()["error"]
+    assert err["code"] == "invalid_constraint" and "the output constraint failed" in err["message"], err
 
 
 def test_engine_ends_a_failed_grammar_row_alone(demo_model):

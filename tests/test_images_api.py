@@ -1,4 +1,4 @@
-"""Images in through every API (issue 25, the server's part): chat `image_url`, Messages `image`
+"""Images in through every API: chat `image_url`, Messages `image`
 blocks (also inside `tool_result`), Responses `input_image`; data URLs, base64 and http(s) URLs
 served from a loopback HTTP server; every bad image a 400 in the API's own shape, streamed or
 not; the image-pad tokens of the rendered prompt, in order, one run of `n_tokens` per image;
@@ -115,7 +115,7 @@ def load_with_vision(path):
 
 @pytest.fixture(scope="module")
 def vision_server(checkpoint_dir):
-    from test_server_support import LiveServer, ServerConfig
+    from support.server import LiveServer, ServerConfig
 
     path = checkpoint_dir("qwen3_5", vision=True, agreeable=True)
     s = LiveServer(load_with_vision(path), ServerConfig(served_model_name="test-model", mtp_depth=2, fixed_depth=True,
@@ -385,7 +385,7 @@ def test_anthropic_sdk_base64_image_and_tool_result(vision_server):
 @pytest.fixture(scope="module")
 def agent_server(checkpoint_dir):
     """The vision checkpoint served as README's agent configurations name it (`demo`)."""
-    from test_server_support import LiveServer, ServerConfig
+    from support.server import LiveServer, ServerConfig
 
     path = checkpoint_dir("qwen3_5", vision=True, agreeable=True, likely_eos=True)
     with LiveServer(load_with_vision(path), ServerConfig(served_model_name="demo", mtp_depth=2, max_context=32768)) as s:

@@ -36,6 +36,7 @@ from mtp_serve.models.loader import weight_files
 from mtp_serve.models.mlx_lm_compat import quantized_scaled_dot_product_attention, scaled_dot_product_attention
 from mtp_serve.testing.server_process import ServerProcess
 from mtp_serve.testing.synthetic import FAMILIES
+from support.native import needs_qmm_kernel
 
 GROUP = 32
 SETTINGS = [KVSetting(8, GROUP), KVSetting(4, GROUP)]
@@ -247,7 +248,7 @@ def test_prefill_over_dequantized_kv_equals_mlx_lm_quantized_attention(at, monke
     assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(theirs, -1)).item()
 
 
-needs_kernel = pytest.mark.skipif(qmm_ext.load() is None, reason="mtp-serve's quantized kernel is not available here")
+needs_kernel = needs_qmm_kernel()
 
 
 @needs_kernel

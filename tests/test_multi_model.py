@@ -1,8 +1,8 @@
-"""Several models behind one server (issue 26): routing by name and alias on every API, the
+"""Several models behind one server: routing by name and alias on every API, the
 404 in each API's shape, /v1/models, lazy loading and LRU unloading under --max-loaded-bytes,
 pinned models, a model too big for the budget, concurrent streams to two models (each
 greedy-identical to its model served alone, with MTP), one model's failure leaving the other
-alone, and the TOML config (the example in configs/ served end to end)."""
+alone, and the TOML config (the example in examples/ served end to end)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_server_support import LiveServer, free_port
+from support.server import LiveServer, free_port
 
 import uvicorn
 
@@ -77,6 +77,22 @@ def two_models(dense, moe, **kw) -> MultiServer:
 def both(dense, moe):
     with two_models(dense, moe) as s:
         yield s
+
+
+def test_prompt_size_is_checked_against_the_routed_models_context(dense):
+    """A prompt whose text alone is too long for the default model's context (refused before it is
+    tokenized) is served by a second model whose context holds it."""
+    models = Models.serving(load_model(str(dense)), cfg("main", max_context=64),
+                            more=[extra("long", dense, max_context=4096)])
+    with MultiServer(models).start() as s:
+        text = "a " * (s.service.max_token_bytes * 64 // 2 + 1)  # its bytes alone are over 64 tokens' worth
+        r = post(s, "chat", "main", text=text, max_tokens=1)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "bytes of text" in err["message"], err
+        r = post(s, "chat", "long", text=text, max_tokens=1)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["prompt_tokens"] > 64
 
 
 def request(api: str, model, text: str = HI, max_tokens: int = 12, stream: bool = False) -> tuple:
@@ -288,7 +304,7 @@ def test_waiting_for_a_load(dense, moe):
 
 
 def test_config_parses_and_refuses_mistakes():
-    f = models_config.read_config(str(ROOT / "configs" / "claude_code_two_models.toml"))
+    f = models_config.read_config(str(ROOT / "examples" / "claude_code_two_models.toml"))
     assert [m["name"] for m in f.models] == ["main", "fast"]
     assert "claude-haiku-4-5" in f.models[1]["aliases"] and f.models[0]["mtp"] and not f.models[1]["mtp"]
     assert f.max_loaded_bytes == 16 << 30 and f.prompt_cache_bytes == 4 << 30
@@ -303,9 +319,9 @@ def test_config_parses_and_refuses_mistakes():
 
 
 def test_example_config_served_end_to_end(dense, moe, tmp_path):
-    """configs/claude_code_two_models.toml with the synthetic checkpoints as its paths, through
+    """examples/claude_code_two_models.toml with the synthetic checkpoints as its paths, through
     the CLI's own steps: Claude Code's model names reach the two models."""
-    text = (ROOT / "configs" / "claude_code_two_models.toml").read_text()
+    text = (ROOT / "examples" / "claude_code_two_models.toml").read_text()
     text = text.replace('name = "main"', f'name = "main"\npath = "{dense}"').replace('name = "fast"', f'name = "fast"\npath = "{moe}"')
     (tmp_path / "two.toml").write_text(text)
     args = argparse.Namespace(config=str(tmp_path / "two.toml"), model=None, max_loaded_bytes=None, prompt_cache_bytes=None,
@@ -363,7 +379,7 @@ def test_claude_code_main_and_fast_models(checkpoint_dir, tmp_path):
     models: two turns complete, and both models answer (counted per model in /metrics). In
     `-p` mode this Claude Code sends no small-fast request of its own, so the second turn
     continues the conversation on the fast model by one of its aliases (`--model`)."""
-    from npm_clients import npm_bin
+    from support.npm_clients import npm_bin
 
     from test_agents import clean_env
 

@@ -1,4 +1,4 @@
-"""Output budgets (issue 22): a max_tokens larger than what the context leaves after the prompt
+"""Output budgets: a max_tokens larger than what the context leaves after the prompt
 is lowered to fit by default (LM Studio, Ollama and llama.cpp's server do this; opencode and
 Claude Code send 32,000 for any model they do not know), on every API, streamed and not, and
 the output ends the way that API reports a hit budget. `--max-tokens-over-context refuse` keeps
@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from npm_clients import metric
+from support.npm_clients import metric
 from test_hardening import ENDPOINTS, assert_error, post
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities for eval harnesses (issue 22): `/v1/completions` with `echo`,
+"""Prompt log-probabilities for eval harnesses: `/v1/completions` with `echo`,
 `logprobs: N` and `max_tokens: 0` returns each prompt token's log-probability given the tokens
 before it (the first has none), as OpenAI's legacy API and vLLM do; lm-evaluation-harness's
 loglikelihood tasks read exactly this. Checked against one plain forward pass's log-softmax."""
@@ -9,7 +9,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

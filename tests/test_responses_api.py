@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from api_events import check_responses_order, sse_events
-from test_server_support import SCRIPT, WEATHER_TOOL, serve
+from support.api_events import check_responses_order, sse_events
+from support.server import SCRIPT, WEATHER_TOOL, serve
 from test_server import wait_until
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)

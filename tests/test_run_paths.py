@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from test_server_support import SCRIPT, SCRIPT_TEMPLATE
+from support.server import SCRIPT, SCRIPT_TEMPLATE
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The schemas people really send (issue 29): oneOf, unknown formats, dependencies,
+"""The schemas people really send: oneOf, unknown formats, dependencies,
 dependentRequired, uniqueItems, if/then, recursive $ref with siblings. Each is served or
 refused as json_schema_mode says, relaxed keywords are reported with their paths, the
 finished output's `valid` agrees with jsonschema on the full schema, and MTP output equals
@@ -115,14 +115,21 @@ def test_mtp_equals_plain_under_the_same_constraint(server, name):
 
 def test_enforced_dependencies_and_conditionals_hold_under_sampling(server):
     """dependentRequired / dependencies / if-then on a finite discriminator are grammar branches,
-    not relaxed: every sampled output obeys them."""
+    not relaxed: every sampled output obeys them. Outputs cut by the token limit are unfinished JSON,
+    so seeds are tried until three finish (each schema must see at least one)."""
     for name in ("dependencies", "dependentRequired", "if_then"):
         schema = CASES[name][0]
-        for seed in range(4):
+        finished = 0
+        for seed in range(16):
             r = chat(server, schema, temperature=1.0, seed=seed).json()
-            if r["choices"][0]["finish_reason"] == "stop":
-                assert r["structured_output"]["valid"] is True, r
-                validator_class(schema)(schema).validate(json.loads(r["choices"][0]["message"]["content"]))
+            if r["choices"][0]["finish_reason"] != "stop":
+                continue
+            assert r["structured_output"]["valid"] is True, r
+            validator_class(schema)(schema).validate(json.loads(r["choices"][0]["message"]["content"]))
+            finished += 1
+            if finished == 3:
+                break
+        assert finished, f"{name}: no sampled output finished within max_tokens, so nothing was checked"
 
 
 def test_server_default_mode_and_bad_mode(server):

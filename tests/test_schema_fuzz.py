@@ -1,4 +1,4 @@
-"""A bounded fuzz run of the OpenAPI schema (issue 16): schemathesis generates valid and invalid
+"""A bounded fuzz run of the OpenAPI schema: schemathesis generates valid and invalid
 requests for every operation from the server's own /openapi.json (fixed seed, 20 per operation
 and mode); the server must never answer 5xx, and every answer must be documented and match its
 documented schema and content type."""
@@ -16,7 +16,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from mtp_serve.server.limits import Limits
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 
@@ -57,7 +57,7 @@ def test_no_server_errors_and_responses_as_documented(fuzz_server, mode):
     assert len(posts) == 5 and all(sent[label] >= EXAMPLES // 2 for label in posts), sent
 
 
-# ---------------------------------------------------------------- tools and constraints (issue 30)
+# ---------------------------------------------------------------- tools and constraints
 
 from hypothesis import strategies as st  # noqa: E402
 

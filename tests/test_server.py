@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_support import LiveServer, free_port, serve
+from support.server import LiveServer, free_port, serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

@@ -1,12 +1,12 @@
 """Reasoning and tool calls through the server, from a real model made to emit them
-(the scripted model in test_server_support: trained to give fixed replies)."""
+(the scripted model in tests/support/server.py: trained to give fixed replies)."""
 
 import json
 
 import openai
 import pytest
 
-from test_server_support import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve
+from support.server import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

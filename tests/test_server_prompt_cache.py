@@ -13,7 +13,7 @@ from mtp_serve.models.demo_model import DEMO_MODEL_DIR
 from mtp_serve.server.openai_api import render_chat
 from mtp_serve.server.schemas import ChatCompletionRequest
 from mtp_serve.testing.server_process import ServerProcess
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

@@ -129,7 +129,7 @@ def test_calibration_picks_a_path_and_both_paths_decode_exactly(checkpoint_dir, 
 def test_small_products_give_a_row_the_same_bits_at_any_row_count(transpose_b):
     """Products of up to 64 rows on weights under the skinny threshold (attention's q.k and p.v,
     small layers): OpenBLAS gave row 0 of a 40 x 32 product different bits alone and among 4 rows,
-    which made int8 decode numerics leave plain's tokens under MTP (issue 23)."""
+    which made int8 decode numerics leave plain's tokens under MTP."""
     skinny_gemm.set_enabled(True)  # the default threshold: these products are all under it
     assert skinny_gemm.row_invariant()
     for N, K in [(40, 32), (300, 256), (77, 5), (13, 129)]:

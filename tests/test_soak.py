@@ -1,4 +1,4 @@
-"""Soak (issue 16): 8 concurrent streaming clients for a bounded time, mixing good requests
+"""Soak: 8 concurrent streaming clients for a bounded time, mixing good requests
 on every API (greedy and seeded, MTP on and off), mid-stream disconnects and bad requests,
 against `mtp-serve` in its own process. Every good request's output equals its solo run,
 every bad one is a 400, every slot is free at the end, and the server's memory is back
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import free_port
+from support.server import free_port
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

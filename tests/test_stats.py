@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtp_serve.server.stats_api import Stats
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e  # live servers on loopback
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "mtp-serve.json"
+DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / "mtp-serve.json"
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}  # what Chromium sends
 
 

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_server_support import THINK, WEATHER_TOOL
+from support.server import THINK, WEATHER_TOOL
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 

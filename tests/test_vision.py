@@ -1,4 +1,4 @@
-"""Image input's building blocks (issue 25): preprocessing, the vision tower, M-RoPE.
+"""Image input's building blocks: preprocessing, the vision tower, M-RoPE.
 
 References: transformers' Qwen2VLImageProcessor (PIL backend) for preprocessing, and
 mlx-vlm 0.7.10's Qwen3.5 vision tower, get_rope_index and interleaved M-RoPE
@@ -372,10 +372,10 @@ def test_tower_mrope_and_rope_index_match_transformers(vl):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_reference_forward_reads_the_synthetic_checkpoint_as_mtp_serve_does(family, checkpoint_dir, loaded):
-    """tests/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
+    """tests/support/vlm_reference.py (mlx-vlm's Qwen3.5 model) agrees with mtp-serve's plain forward on
     text, and its logits after an image depend on the image."""
     pytest.importorskip("mlx_vlm.models.qwen3_5")
-    from vlm_reference import reference_logits
+    from support.vlm_reference import reference_logits
 
     path = checkpoint_dir(family, vision=True)
     lm = loaded(family, vision=True)

@@ -1,4 +1,4 @@
-"""The vision tower survives mtp-convert and mtp-graft, unquantized (issue 25).
+"""The vision tower survives mtp-convert and mtp-graft, unquantized.
 
 Stock mlx-lm's convert drops the tower, `vision_config` and preprocessor_config.json;
 mtp-convert puts them back (`vision.safetensors`, mlx-vlm's names and layout), and

@@ -1,4 +1,4 @@
-"""Images in the engine (issue 25): with images in the prompt, greedy MTP output is
+"""Images in the engine: with images in the prompt, greedy MTP output is
 token-identical to greedy plain output (depths 1-3, one and two images, batched rows
 with and without images, after a prompt-cache restore from memory and from disk,
 under a grammar); the image reaches the model (a different image changes the
@@ -218,9 +218,9 @@ def test_a_text_only_model_refuses_images(loaded, pictures):
 def test_logits_agree_with_mlx_vlm(loaded, pictures, family, n_images):
     """The whole vision-language forward (tower, image features in place of the pad
     tokens, M-RoPE) against mlx-vlm 0.7.10's Qwen3.5 model on the same checkpoint
-    (tests/vlm_reference.py). Observed (dense): max |difference| 1.5e-5 with one image
+    (tests/support/vlm_reference.py). Observed (dense): max |difference| 1.5e-5 with one image
     and 1.4e-4 with two, at max |logit| ~10; asserted: 2e-4 of max |logit|."""
-    from vlm_reference import reference_logits
+    from support.vlm_reference import reference_logits
 
     lm = loaded(family, agreeable=True, vision=True)
     images = (pictures["a"], pictures["c"])[:n_images]

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_server_support import serve
+from support.server import serve
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_support import THINK, WEATHER_TOOL, serve
+from support.server import THINK, WEATHER_TOOL, serve
 
 pytestmark = pytest.mark.browser
 

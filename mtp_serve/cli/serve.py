@@ -2,7 +2,7 @@
 
     mtp-serve --model PATH_OR_REPO --enable-mtp
     mtp-serve --model A --model B                  # several models; requests pick one by `model`
-    mtp-serve --config configs/claude_code_two_models.toml
+    mtp-serve --config examples/claude_code_two_models.toml
 
 Then point an OpenAI client at http://127.0.0.1:8000/v1.
 """
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "demo model); repeat it to serve several models, the first being the default for requests "
                    "without a model (the others load on first use)")
     p.add_argument("--config", metavar="FILE", help="serve the models a TOML file lists, each with its own name, "
-                   "aliases, MTP, context, batch size and prompt cache share (configs/claude_code_two_models.toml)")
+                   "aliases, MTP, context, batch size and prompt cache share (examples/claude_code_two_models.toml)")
     p.add_argument("--max-loaded-bytes", type=byte_size, metavar="SIZE",
                    help="with several models: most weight bytes loaded at once; a load past it first unloads the "
                    "least recently used idle unpinned model (default: the machine's memory)")

@@ -1,5 +1,5 @@
 // Sigmoid, SiLU and SwiGLU for decode steps and verify windows, as MLX custom primitives
-// on CPU, with MLX's own bits (issue 23); below them RMS norm, the GatedDeltaNet decode conv
+// on CPU, with MLX's own bits; below them RMS norm, the GatedDeltaNet decode conv
 // + SiLU and RoPE, each one node in place of MLX's fallback graph.
 //
 // MLX's CPU sigmoid is 1 / (1 + exp(|x|)) (or 1 minus it) with its Cephes-style exp

@@ -1,5 +1,5 @@
 // The GatedDeltaNet recurrence of decode steps and verify windows, as an MLX custom
-// primitive on CPU (issue 23).
+// primitive on CPU.
 //
 // mlx-lm's step (`_gated_delta_step_ops`), per (sequence, value head, row dv of the
 // state [Dv, Dk]) and token:

@@ -1,5 +1,5 @@
 // Attention's value product over a quantized KV cache (--kv-bits), as an MLX
-// custom primitive on CPU (issue 27).
+// custom primitive on CPU.
 //
 // For decode steps and verify windows the attention probabilities p [rows, S]
 // meet the cached values V [S, D], quantized in groups along D (mlx-lm's

@@ -686,11 +686,11 @@ bool cpu_supported() {
 
 }  // namespace
 
-// Attention's value product over quantized KV (quantized_attention.cpp, issue 27), on this file's pool.
+// Attention's value product over quantized KV (quantized_attention.cpp), on this file's pool.
 void register_attention(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
-// The GatedDeltaNet recurrence of decode steps and verify windows (gated_delta.cpp, issue 23), on this file's pool.
+// The GatedDeltaNet recurrence of decode steps and verify windows (gated_delta.cpp), on this file's pool.
 void register_gated_delta(nb::module_& m, void (*run)(int, const std::function<void(int, int)>&));
-// Sigmoid, SiLU, SwiGLU, RMS norm, the decode conv and RoPE with MLX's bits (activations.cpp, issue 23).
+// Sigmoid, SiLU, SwiGLU, RMS norm, the decode conv and RoPE with MLX's bits (activations.cpp).
 void register_activations(nb::module_& m);
 
 NB_MODULE(_mtp_qmm, m) {

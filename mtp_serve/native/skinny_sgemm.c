@@ -9,7 +9,7 @@
    its own sgemv streams 31 GB/s (32 ms). This file exports `cblas_sgemm`; it is
    loaded (RTLD_GLOBAL) before OpenBLAS, so MLX's calls reach it first. Products
    of that shape go through the kernel below, smaller products of up to 64 rows
-   through the row-invariant kernel further down (issue 23); everything else is
+   through the row-invariant kernel further down; everything else is
    passed on unchanged to OpenBLAS's cblas_sgemm (`mtp_skinny_set_fallback`).
 
    Every output element is one 8-lane FMA chain over k, then the same horizontal

@@ -1,4 +1,4 @@
-"""The reference vision forward for issue 25's exactness tests: mlx-vlm 0.7.10's Qwen3.5 /
+"""The reference vision forward for the vision exactness tests: mlx-vlm 0.7.10's Qwen3.5 /
 Qwen3.5-MoE model (its own vision tower, get_rope_index and interleaved M-RoPE) loaded from a
 checkpoint directory in Hugging Face layout, e.g. a synthetic one (`vision=True`).
 

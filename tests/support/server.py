@@ -2,7 +2,7 @@
 trained (in a few seconds) to answer fixed prompts with fixed replies that hold
 reasoning, tool calls and malformed tool text, so the parsers see real model output.
 
-No tests here; imported by tests/test_server*.py.
+Imported by the server tests (tests/test_server*.py and the API tests).
 """
 
 from __future__ import annotations
