@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-ORDERS = (16, 8, 4, 3, 2)  # n-gram lengths matched, longest first
+# n-gram lengths matched, longest first; two tokens recur by chance too often to be worth a window
+ORDERS = (16, 8, 4, 3)
 MIN_COPY = 2  # tokens: shorter proposals are left to the MTP head
 MAX_COPY = 32  # most tokens a row copies in one round (the server's --copy-max raises or lowers it)
 

@@ -59,8 +59,17 @@ def plain(lm, prompt, n=N, **kw):
     return run(lm, prompt, SamplingParams(max_tokens=n, ignore_eos=True, **kw), depth=0, copy_max=0)[0]
 
 
+STARTS = [P, [7, 7, 8, 9, 100, 101], [60, 61, 62, 63, 64, 65, 66], [200, 3, 200, 4, 200, 5], list(range(120, 140))]
+
+
 def copying_prompt(lm, n=24):
-    """P, plain decoding's continuation of P, then P again."""
+    """A start S, plain decoding's continuation G of S, then S again: the first start after
+    which plain decoding repeats G's opening (this model's output there follows its context)."""
+    for start in STARTS:
+        follows = plain(lm, start, n)
+        prompt = start + follows + start
+        if plain(lm, prompt, 4) == follows[:4]:
+            return prompt
     return P + plain(lm, P, n) + P
 
 
@@ -68,16 +77,16 @@ def copying_prompt(lm, n=24):
 
 
 def test_index_proposes_what_followed_the_longest_latest_match():
-    index = ContextIndex([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
-    assert index.propose(3) == [4, 9, 2]  # "1 2 3" (order 3) beats the later "2 3"
-    index.extend([7])
-    assert index.propose(4) == []  # "3 7" never occurred before
-    index.extend([8, 2, 3])
-    assert index.propose(2) == [7, 8]  # the latest "2 3" is followed by 7 8
-    built = ContextIndex([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3, 7, 8, 2, 3])
+    index = ContextIndex([1, 2, 3, 4, 9, 7, 2, 3, 4, 5, 0, 2, 3, 4])
+    assert index.propose(3) == [5, 0, 2]  # the latest earlier "2 3 4"
+    index.extend([5, 0, 1])
+    assert index.propose(4) == []  # "5 0 1" never occurred before
+    index.extend([2, 3, 4, 9])
+    assert index.propose(2) == [7, 2]  # "2 3 4 9" matched at its first occurrence
+    built = ContextIndex([1, 2, 3, 4, 9, 7, 2, 3, 4, 5, 0, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9])
     assert built.propose(5) == index.propose(5)  # extending equals building at once
-    assert ContextIndex([4, 4]).propose(3) == []  # the newest tokens are never their own match
-    assert ContextIndex([4, 4, 4]).propose(3) == [4]
+    assert ContextIndex([4, 4, 4]).propose(3) == []  # the newest tokens are never their own match
+    assert ContextIndex([4, 4, 4, 4]).propose(3) == [4]
 
 
 # ---------------------------------------------------------------- greedy identity
