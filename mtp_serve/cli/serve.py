@@ -101,12 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded width x height per image, before resizing to the model's bounds (then 400)")
     p.add_argument("--image-fetch-timeout", type=float, default=images.fetch_timeout, metavar="SECONDS",
                    help="time to fetch one http(s) image URL, all of it (then 400)")
+    p.add_argument("--image-fetch-allow-hosts", type=allow_hosts, default=(), metavar="HOSTS",
+                   help="comma-separated host names, addresses or networks (10.0.0.0/8) image URLs may reach "
+                        "though not public; by default loopback, private, link-local, multicast and reserved addresses "
+                        "are never fetched (checked on every resolved address and every redirect)")
     p.add_argument("--max-image-tokens", type=int, default=images.max_image_tokens, metavar="N",
                    help="resize larger images down to about N image tokens (default 0: the checkpoint's own bounds; "
                         "on CPU the vision tower's time grows faster than the tokens)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ranks.add_arguments(p)
     return p
+
+
+def allow_hosts(text: str) -> tuple:
+    from mtp_serve.server.image_fetch import parse_allow_hosts
+
+    try:
+        return parse_allow_hosts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv=None) -> int:
@@ -230,7 +243,7 @@ def main(argv=None) -> int:
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
         images=ImageSettings(max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                              max_image_pixels=args.max_image_pixels, fetch_timeout=args.image_fetch_timeout,
-                             max_image_tokens=args.max_image_tokens),
+                             max_image_tokens=args.max_image_tokens, fetch_allow_hosts=args.image_fetch_allow_hosts),
         default_max_tokens=args.default_max_tokens,
         max_tokens_over_context=args.max_tokens_over_context,
         special_tokens_in_content=args.allow_special_tokens_in_content,
