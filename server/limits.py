@@ -28,10 +28,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtp_serve.server.errors import APIError, bad_request, error_response_body
 from mtp_serve.server.images import IMAGE_PARTS
+from mtp_serve.server.lanes import set_heavy
 
 MESSAGE_KEYS = ("messages", "input")  # chat and Anthropic messages; Responses input items
 STOP_KEYS = ("stop", "stop_sequences")
-PROMPT_KEYS = ("messages", "input", "prompt", "system", "instructions")  # where prompt text comes from
+PROMPT_KEYS = ("messages", "input", "prompt", "system", "instructions", "tools", "functions")  # text the prompt holds
+# What makes preparing a prompt expensive whatever its size: an output constraint to compile
+CONSTRAINT_KEYS = ("response_format", "text", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar")
+LIGHT_BYTES = 64 << 10  # bodies up to this size, without images or constraints, prepare on the light lane
 COUNT_ONLY = ("/v1/messages/count_tokens",)
 
 
@@ -47,9 +52,12 @@ class Limits:
 
 @dataclass
 class Scan:
-    """What the walk found: the UTF-8 size of the prompt's text."""
+    """What the walk found: the UTF-8 size of the prompt's text (tool definitions included, keys
+    and all), its image parts, and whether preparing it is heavy work (service.py's lanes)."""
 
     prompt_bytes: int = 0
+    images: int = 0
+    heavy: bool = False
 
 
 Path = Optional[Tuple["Path", Any]]  # (parent, key): built per node, rendered only for an error
@@ -75,10 +83,13 @@ def scan_body(body: Any, limits: Limits) -> Scan:
                 raise bad_request(f"{where}: JSON nested deeper than {limits.max_json_depth} levels (--max-json-depth)", where)
             items = value.items() if isinstance(value, dict) else enumerate(value)
             if prompt and isinstance(value, dict) and value.get("type") in IMAGE_PARTS:
-                prompt = False  # an image's data is not prompt text (its tokens are counted once it is prepared)
+                prompt = False  # an image's data is not prompt text (its tokens are counted apart)
+                scan.images += 1
             for key, item in items:
                 if isinstance(key, str):
                     _check_text(key, path)
+                    if prompt:
+                        scan.prompt_bytes += len(key)
                 stack.append((item, depth + 1, (path, key), prompt or (depth == 1 and key in PROMPT_KEYS)))
         elif isinstance(value, str):
             if not value.isascii():
@@ -89,6 +100,8 @@ def scan_body(body: Any, limits: Limits) -> Scan:
             raise bad_request(f"{_param(path)}: {value} is not a number JSON allows", _param(path))
     if isinstance(body, dict):
         _check_counts(body, limits)
+        scan.heavy = bool(scan.images) or any(body.get(k) is not None for k in CONSTRAINT_KEYS) or \
+            body.get("tool_choice") not in (None, "auto", "none", {"type": "auto"}, {"type": "none"})
     return scan
 
 
@@ -120,18 +133,22 @@ def _check_counts(body: dict, limits: Limits) -> None:
 async def check_request(request: Request) -> None:
     """Router dependency: runs after FastAPI parsed the JSON, before it validates it.
     The walk runs on the tokenizer threads (a large body would hold the event loop).
-    It also stamps the request's arrival (`request.state.started`: time to first token)."""
+    It also stamps the request's arrival (`request.state.started`: time to first token), and
+    picks the lane its preparation runs on (a large body, images or a constraint: the heavy one)."""
     request.state.started = time.perf_counter()
     if request.method != "POST":
         return
     try:
+        raw = await request.body()
         body = await request.json()
     except Exception:  # noqa: BLE001 - not JSON: FastAPI's own validation answers it
         return
     svc = request.app.state.service
+    set_heavy(len(raw) > LIGHT_BYTES)
     scan = await svc.run_cpu(scan_body, body, svc.config.limits)
+    set_heavy(len(raw) > LIGHT_BYTES or scan.heavy)
     if request.url.path not in COUNT_ONLY:  # counting a prompt too long for the context still answers its count
-        svc.check_prompt_bytes(scan.prompt_bytes)
+        svc.check_prompt_bytes(scan.prompt_bytes, scan.images)
 
 
 class BodyLimitMiddleware:

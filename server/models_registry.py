@@ -268,7 +268,7 @@ class Models:
     @staticmethod
     def _close(svc: Service) -> None:
         svc.engine.stop()
-        svc.cpu.shutdown(wait=False)
+        svc.lanes.shutdown()
 
     async def start(self) -> None:
         """Start the loaded models' engines, then load the pinned ones."""
@@ -288,6 +288,13 @@ class Models:
         for e in self.entries:
             if e.service is not None:
                 self._close(e.service)
+
+    def stop_engines(self) -> None:
+        """End every loaded model's requests now (a draining shutdown's last step): each fails
+        with EngineStopped, which its response turns into the API's final events."""
+        for e in self.entries:
+            if e.service is not None:
+                e.service.engine.stop()
 
     # -- what is served
 

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-tokens", type=int, default=images.max_image_tokens, metavar="N",
                    help="resize larger images down to about N image tokens (default 0: the checkpoint's own bounds; "
                         "on CPU the vision tower's time grows faster than the tokens)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: time running requests may take to finish before they end with a final "
+                        "error event (and [DONE]); a second signal ends them at once")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ranks.add_arguments(p)
     return p
@@ -136,6 +139,10 @@ def main(argv=None) -> int:
         return error(str(e))
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
         return error("--mtp-depth must be between 1 and 8")
+    if args.shutdown_grace < 0:
+        return error("--shutdown-grace must be 0 or more")
+    if args.image_fetch_timeout <= 0:
+        return error("--image-fetch-timeout must be more than 0")
     if args.max_queue < 1:
         return error("--max-queue must be at least 1")
     if args.max_batch_size < 1 or args.prefill_chunk < 1:
@@ -300,7 +307,7 @@ def main(argv=None) -> int:
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     if group is not None:
         return group.serve(app, svc.engine, args.host, args.port, args.log_level)
-    return serve_until_stopped(app, args.host, args.port, args.log_level)
+    return serve_until_stopped(app, args.host, args.port, args.log_level, args.shutdown_grace)
 
 
 def several_models(args) -> list:
@@ -373,9 +380,10 @@ def _stopped(signum, frame):
     raise _Stopped(signum)
 
 
-def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
-    """Serve until Ctrl-C or SIGTERM; after the drain (uvicorn's graceful shutdown, then the
-    app's lifespan: the engine stops, the disk cache flushes within its bound) exit with status 0.
+def serve_until_stopped(app, host: str, port: int, log_level: str, grace: float = 10.0) -> int:
+    """Serve until Ctrl-C or SIGTERM; after the drain (server/shutdown.py: running requests
+    finish within `grace` seconds, then end with their API's final events; then the app's
+    lifespan: the engine stops, the disk cache flushes within its bound) exit with status 0.
 
     uvicorn re-raises the signal it caught once it has shut down (so the process would die of
     SIGTERM, or raise KeyboardInterrupt into the interpreter's teardown); our handlers, which
@@ -389,10 +397,13 @@ def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
 
     import uvicorn
 
+    from mtp_serve.server.shutdown import DrainingServer
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level),
+                       end_requests=app.state.models.stop_engines, grace=grace).run()
     except (_Stopped, KeyboardInterrupt):
         pass
     logging.shutdown()
