@@ -61,7 +61,11 @@ def estimated_bytes(path: Optional[str]) -> Optional[int]:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A byte count as messages show it, in the largest unit that keeps it at 1 or more (GiB at most)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
 
 
 @dataclass
@@ -144,6 +148,20 @@ class Models:
     @property
     def names(self) -> List[str]:
         return [e.name for e in self.entries]
+
+    def budget_problem(self) -> Optional[str]:
+        """Why the weights budget cannot work: a model that alone needs more than it, or pinned
+        models that together do (None when it can; sizes estimated from the files until loaded)."""
+        for e in self.entries:
+            if e.bytes and e.bytes > self.max_loaded_bytes:
+                return (f"the model '{e.name}' needs {gib(e.bytes)} of weights, more than the budget of "
+                        f"{gib(self.max_loaded_bytes)}")
+        pinned = [e for e in self.entries if e.spec.pinned]
+        need = sum(e.bytes or 0 for e in pinned)
+        if need > self.max_loaded_bytes:
+            return (f"the pinned models ({', '.join(repr(e.name) for e in pinned)}) need {gib(need)} of weights "
+                    f"together, more than the budget of {gib(self.max_loaded_bytes)}")
+        return None
 
     def used_bytes(self) -> int:
         return sum(e.bytes or 0 for e in self.entries if e.service is not None)

@@ -139,6 +139,8 @@ def main(argv=None) -> int:
         return error(str(e))
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
         return error("--mtp-depth must be between 1 and 8")
+    if args.max_loaded_bytes is not None and args.max_loaded_bytes <= 0:
+        return error("--max-loaded-bytes must be more than 0")
     if args.shutdown_grace < 0:
         return error("--shutdown-grace must be 0 or more")
     if args.image_fetch_timeout <= 0:
@@ -259,14 +261,16 @@ def main(argv=None) -> int:
         warm_up=group is None,  # across ranks every rank takes part in the warm-up rounds below instead
     )
     try:
-        if more or args.aliases:
+        if more or args.aliases or args.max_loaded_bytes is not None:
             from mtp_serve.server.models_registry import Models
 
             models = Models.serving(loaded, config, more=[spec(m, config) for m in more], aliases=args.aliases,
                                     max_loaded_bytes=args.max_loaded_bytes, load_seconds=load_seconds)
-            if models.used_bytes() > models.max_loaded_bytes:
-                return error(f"the model {name} needs {models.used_bytes():,} bytes of weights; "
-                             f"--max-loaded-bytes is {models.max_loaded_bytes:,}")
+            problem = models.budget_problem()
+            if problem:
+                budget = (f"--config {args.config}: [server].max_loaded_bytes" if args.config and args.budget_from_config
+                          else "--max-loaded-bytes")
+                return error(f"{budget}: {problem}")
             app = create_app(loaded, config, models=models)
         else:
             app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
@@ -274,6 +278,8 @@ def main(argv=None) -> int:
         return error(f"--prompt-cache-dir: {e}")
     except ValueError as e:  # a name given twice
         return error(str(e))
+    app.state.config_file = args.config
+    fail_start_in_one_line(app)
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
@@ -318,6 +324,7 @@ def several_models(args) -> list:
 
     paths = args.model or []
     args.aliases = ()
+    args.budget_from_config = False
     if args.config:
         if paths:
             raise ValueError("--config and --model: list the models in one place")
@@ -326,12 +333,18 @@ def several_models(args) -> list:
         except models_config.ConfigError as e:
             raise ValueError(f"--config {args.config}: {e}") from None
         models = f.models
+        args.budget_from_config = args.max_loaded_bytes is None and f.max_loaded_bytes is not None
         if args.max_loaded_bytes is None:
             args.max_loaded_bytes = f.max_loaded_bytes
         if args.prompt_cache_bytes is None:
             args.prompt_cache_bytes = f.prompt_cache_bytes
     else:
         models = [{"path": p} for p in paths]
+        for p in paths[1:]:  # the first is loaded at once, which names a missing one
+            try:
+                models_config.check_path(p, "--model")
+            except models_config.ConfigError as e:
+                raise ValueError(str(e)) from None
     args.model = models[0].get("path") if models else None
     for m in models[1:]:  # the command line's flags are every model's defaults
         m.setdefault("mtp", args.enable_mtp)
@@ -370,6 +383,33 @@ def spec(m, config):
                 mtp_depth=0, warm_up=False)
     return ModelSpec(m["name"], m.get("path") or default_model_path(), c, aliases=tuple(m.get("aliases", ())), enable_mtp=bool(m["mtp"]),
                      mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"], pinned=bool(m.get("pinned")))
+
+
+def fail_start_in_one_line(app) -> None:
+    """A pinned model that fails to load at start ends the process with one line and status 1
+    (as every other start-up error), not the lifespan's traceback and uvicorn's status 3."""
+    import os
+    from contextlib import asynccontextmanager
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        try:
+            context = inner(a)
+            await context.__aenter__()
+        except RuntimeError as e:
+            where = f"--config {a.state.config_file}: " if getattr(a.state, "config_file", None) else ""
+            fail("mtp-serve", where + " ".join(str(e).split()))
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
+        try:
+            yield
+        finally:
+            await context.__aexit__(None, None, None)
+
+    app.router.lifespan_context = lifespan
 
 
 class _Stopped(Exception):
