@@ -71,11 +71,14 @@ def _param(path: Path, top_only: bool = False) -> str:
     return keys[-1] if top_only and keys else ".".join(reversed(keys))
 
 
-def scan_body(body: Any, limits: Limits) -> Scan:
-    """Raises a 400 (APIError) naming the first offending field."""
+def scan_body(body: Any, limits: Limits, enough_bytes: Optional[int] = None) -> Scan:
+    """Raises a 400 (APIError) naming the first offending field. The walk stops early once the
+    prompt's text passes `enough_bytes` (a prompt that cannot fit: refused whatever the rest holds)."""
     scan = Scan()
     stack = [(body, 1, None, False)]  # (value, depth, path, in the prompt)
     while stack:
+        if enough_bytes is not None and scan.prompt_bytes >= enough_bytes:
+            return scan
         value, depth, path, prompt = stack.pop()
         if isinstance(value, (dict, list)):
             if depth > limits.max_json_depth:
@@ -145,9 +148,10 @@ async def check_request(request: Request) -> None:
         return
     svc = request.app.state.service
     set_heavy(len(raw) > LIGHT_BYTES)
-    scan = await svc.run_cpu(scan_body, body, svc.config.limits)
+    count_only = request.url.path in COUNT_ONLY  # counting a prompt too long for the context still answers its count
+    scan = await svc.run_cpu(scan_body, body, svc.config.limits, None if count_only else svc.too_many_prompt_bytes)
     set_heavy(len(raw) > LIGHT_BYTES or scan.heavy)
-    if request.url.path not in COUNT_ONLY:  # counting a prompt too long for the context still answers its count
+    if not count_only:
         svc.check_prompt_bytes(scan.prompt_bytes, scan.images)
 
 

@@ -99,6 +99,7 @@ class Service:
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        self.too_many_prompt_bytes = self.max_context * self.max_token_bytes  # text that cannot fit the context
         loaded.model.use_kv(KVSetting(config.kv_bits, config.kv_group_size))  # before any cache is made
         prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
                                          interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
