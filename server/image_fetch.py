@@ -143,7 +143,7 @@ def fetch_url(url: str, max_bytes: int, timeout: float, allow: AllowList) -> byt
         raise FetchFailed(FAILED)
     except FetchFailed:
         raise
-    except Exception as e:  # noqa: BLE001 - refused, reset, TLS, a malformed answer, or the watchdog's shutdown
+    except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, TLS, a malformed answer, the watchdog
         if dog.fired or time.monotonic() >= deadline:
             raise timed_out(timeout) from e
         raise FetchFailed(FAILED) from e
@@ -169,7 +169,7 @@ def _get(url: str, max_bytes: int, deadline: float, allow: AllowList, dog: Watch
     sock = _connect(host, port, deadline, allow, dog)
     try:
         if parts.scheme == "https":
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+            sock = tls_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
             dog.watch(sock)
             sock.settimeout(_remaining(deadline))
             sock.do_handshake()
@@ -197,6 +197,17 @@ def _get(url: str, max_bytes: int, deadline: float, allow: AllowList, dog: Watch
         return b"".join(chunks), None
     finally:
         sock.close()
+
+
+def tls_context() -> ssl.SSLContext:
+    """Certificates verified against certifi's bundle (httpx's dependency) where it is installed:
+    some Python builds (python.org's on macOS) ship without the system's."""
+    try:
+        import certifi
+
+        return ssl.create_default_context(cafile=certifi.where())
+    except ImportError:
+        return ssl.create_default_context()
 
 
 def _request(parts, host: str, port: int) -> bytes:
