@@ -8,9 +8,11 @@ rejects what JSON or the model cannot take: nesting deeper than
 `max_json_depth` (chat templates recurse into tool schemas and template
 arguments), NaN / Infinity (not JSON; Python's parser lets them through), lone
 UTF-16 surrogates (not text; the tokenizer cannot encode them); and counts the
-request's messages, tools and stop strings. The text it finds also bounds the
-prompt from below (`Limits.min_prompt_tokens`), so a prompt that cannot fit
-the context is refused before it is rendered and tokenized.
+request's messages, tools and stop strings. The text it finds (tool definitions
+included) and the images it counts bound the prompt from below
+(`Service.check_prompt_bytes`), so a prompt that cannot fit the context is
+refused before it is rendered and tokenized; the walk stops as soon as it
+cannot. What it finds also puts the request on a preparation lane (lanes.py).
 """
 
 from __future__ import annotations
