@@ -441,15 +441,16 @@ def serve_until_stopped(app, host: str, port: int, log_level: str, grace: float 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level),
+                            end_requests=app.state.models.stop_engines, grace=grace)
     try:
-        DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level),
-                       end_requests=app.state.models.stop_engines, grace=grace).run()
+        server.run()
     except (_Stopped, KeyboardInterrupt):
         pass
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if server.started else 1)  # not started: the port was taken (uvicorn said so)
 
 
 if __name__ == "__main__":
