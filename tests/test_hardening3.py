@@ -282,6 +282,17 @@ def test_the_schema_bounds_hold_before_any_grammar_work():
         assert time.perf_counter() - t < 0.5
 
 
+def test_grammar_work_is_waited_on_within_its_budget():
+    """Work the compiler cannot interrupt is refused when its budget ends, not when it does."""
+    from mtp_serve.server.lanes import within
+
+    t = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        within(0.3, time.sleep, 3)
+    assert time.perf_counter() - t < 0.6
+    assert within(1.0, sum, [1, 2]) == 3
+
+
 # ---------------------------------------------------------------- 5. a stop that drains
 
 STREAMS = {  # API: (path, body)
