@@ -1,6 +1,6 @@
 """Images in prompts: what every API's image part becomes (`ImageRef`), and resolving refs into
-the model's prepared images: data URLs and base64 decoded, http(s) URLs fetched (size and time
-limits), each decoded and resized by the checkpoint's processor config (models/vision).
+the model's prepared images: data URLs and base64 decoded, http(s) URLs fetched (size, time and
+address limits: image_fetch.py), each decoded and resized by the checkpoint's processor config (models/vision).
 
     ref = image_ref(part, "messages[0].content[1]", "messages.0.content")   # a 400 for a malformed part
     images = resolve([ref, ...], vision, settings)                            # on the tokenizer pool
@@ -15,17 +15,15 @@ import base64
 import binascii
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
-import httpx
-
 from mtp_serve.server.errors import APIError, bad_request
+from mtp_serve.server.image_fetch import AllowList, FetchFailed, fetch_url, timed_out
 
 IMAGE_PARTS = ("image_url", "image", "input_image")  # chat, Anthropic Messages, Responses
-FETCH_CHUNK = 1 << 16
 # Image downloads: threads that wait on the network, beside the tokenizer threads that render.
 FETCHERS = ThreadPoolExecutor(8, thread_name_prefix="mtp-image-fetch")
 
@@ -39,6 +37,7 @@ class ImageSettings:
     max_image_pixels: int = 16_777_216  # --max-image-pixels: decoded width * height, before resizing
     fetch_timeout: float = 10.0  # --image-fetch-timeout: seconds to fetch one http(s) image, all of it
     max_image_tokens: int = 0  # --max-image-tokens: resize larger images down to this many tokens (0: the model's bounds)
+    fetch_allow_hosts: Tuple[str, ...] = ()  # --image-fetch-allow-hosts: names, addresses, networks fetched though not public
 
 
 def capped_spec(spec, max_tokens: int):
@@ -111,10 +110,11 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
     spec = capped_spec(vision.spec, settings.max_image_tokens)
     # URLs are fetched side by side (a request's images take one fetch time, not one each)
     fetches = {ref: FETCHERS.submit(fetch, ref, settings) for ref in refs if is_http(ref.url)}
+    deadline = time.monotonic() + settings.fetch_timeout + 0.5  # the fetches keep their own; this bounds the wait
     out = []
     for ref in refs:
         try:
-            data = fetches[ref].result() if ref in fetches else image_bytes(ref, settings)
+            data = fetched(ref, fetches[ref], deadline, settings) if ref in fetches else image_bytes(ref, settings)
         except APIError:
             for f in fetches.values():
                 f.cancel()
@@ -124,6 +124,14 @@ def resolve(refs: Sequence[ImageRef], vision, settings: ImageSettings) -> Tuple[
         except ImageError as e:
             raise ref.error(with_flag(str(e))) from e
     return tuple(out)
+
+
+def fetched(ref: ImageRef, future, deadline: float, settings: ImageSettings) -> bytes:
+    """A fetch's bytes, waiting at most until `deadline` (a name lookup cannot be interrupted)."""
+    try:
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except FutureTimeout:
+        raise ref.error(f"could not fetch the image ({timed_out(settings.fetch_timeout)})") from None
 
 
 def with_flag(message: str) -> str:
@@ -184,41 +192,10 @@ def too_big(settings: ImageSettings, at_least: int) -> str:
 
 
 def fetch(ref: ImageRef, settings: ImageSettings) -> bytes:
-    """GET an http(s) image: at most `max_image_bytes` (refused from Content-Length, or as soon
-    as the body passes it) within `fetch_timeout` seconds in all (connect, redirects, body)."""
-    deadline_error = ref.error(f"fetching the image took longer than {settings.fetch_timeout:g} s (--image-fetch-timeout)")
+    """GET an http(s) image (image_fetch.py): at most `max_image_bytes` within `fetch_timeout`
+    seconds in all, from public addresses or those `fetch_allow_hosts` lists."""
     try:
-        with httpx.Client(timeout=settings.fetch_timeout, follow_redirects=True, max_redirects=5, trust_env=False) as client:
-            deadline = time.monotonic() + settings.fetch_timeout
-            with client.stream("GET", ref.url, headers={"Accept": "image/*"}) as r:
-                if r.status_code != 200:
-                    raise ref.error(f"fetching the image failed: HTTP {r.status_code} from {shown_url(ref.url)}")
-                length = r.headers.get("content-length", "")
-                if length.isdigit() and int(length) > settings.max_image_bytes:
-                    raise ref.error(too_big(settings, int(length)))
-                chunks: List[bytes] = []
-                size = 0
-                for chunk in r.iter_bytes(FETCH_CHUNK):
-                    size += len(chunk)
-                    if size > settings.max_image_bytes:
-                        raise ref.error(too_big(settings, size))
-                    if time.monotonic() > deadline:
-                        raise deadline_error
-                    chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    raise deadline_error
-    except httpx.TimeoutException as e:
-        raise deadline_error from e
-    except (httpx.HTTPError, OSError, ValueError) as e:  # refused, unreachable, bad URL, too many redirects
-        raise ref.error(f"fetching the image from {shown_url(ref.url)} failed: {type(e).__name__}: {e}") from e
-    data = b"".join(chunks)
-    if not data:
-        raise ref.error(f"fetching the image from {shown_url(ref.url)} returned no data")
-    return data
+        return fetch_url(ref.url, settings.max_image_bytes, settings.fetch_timeout, AllowList(settings.fetch_allow_hosts))
+    except FetchFailed as e:
+        raise ref.error(f"could not fetch the image ({e})") from e
 
-
-def shown_url(url: str) -> str:
-    """A URL as error messages show it: no query (it may carry a token), at most 200 characters."""
-    parts = urlsplit(url)
-    shown = f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
-    return shown if len(shown) <= 200 else shown[:200] + "..."

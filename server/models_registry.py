@@ -62,7 +62,11 @@ def estimated_bytes(path: Optional[str]) -> Optional[int]:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A byte count as messages show it, in the largest unit that keeps it at 1 or more (GiB at most)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
 
 
 @dataclass
@@ -145,6 +149,20 @@ class Models:
     @property
     def names(self) -> List[str]:
         return [e.name for e in self.entries]
+
+    def budget_problem(self) -> Optional[str]:
+        """Why the weights budget cannot work: a model that alone needs more than it, or pinned
+        models that together do (None when it can; sizes estimated from the files until loaded)."""
+        for e in self.entries:
+            if e.bytes and e.bytes > self.max_loaded_bytes:
+                return (f"the model '{e.name}' needs {gib(e.bytes)} of weights, more than the budget of "
+                        f"{gib(self.max_loaded_bytes)}")
+        pinned = [e for e in self.entries if e.spec.pinned]
+        need = sum(e.bytes or 0 for e in pinned)
+        if need > self.max_loaded_bytes:
+            return (f"the pinned models ({', '.join(repr(e.name) for e in pinned)}) need {gib(need)} of weights "
+                    f"together, more than the budget of {gib(self.max_loaded_bytes)}")
+        return None
 
     def used_bytes(self) -> int:
         return sum(e.bytes or 0 for e in self.entries if e.service is not None)
@@ -269,7 +287,7 @@ class Models:
     @staticmethod
     def _close(svc: Service) -> None:
         svc.engine.stop()
-        svc.cpu.shutdown(wait=False)
+        svc.lanes.shutdown()
 
     async def start(self) -> None:
         """Start the loaded models' engines, then load the pinned ones."""
@@ -289,6 +307,13 @@ class Models:
         for e in self.entries:
             if e.service is not None:
                 self._close(e.service)
+
+    def stop_engines(self) -> None:
+        """End every loaded model's requests now (a draining shutdown's last step): each fails
+        with EngineStopped, which its response turns into the API's final events."""
+        for e in self.entries:
+            if e.service is not None:
+                e.service.engine.stop()
 
     # -- what is served
 

@@ -41,10 +41,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import jsonschema
 
-from mtp_serve.engine.grammar import json_schema_error
+from mtp_serve.engine.grammar import GrammarBudget, json_schema_error
 from mtp_serve.server.errors import bad_request
+from mtp_serve.server.lanes import within
 
 MODES = ("strict", "relaxed")
+GRAMMAR_SECONDS = GrammarBudget().max_seconds  # serving one schema, as compiling one constraint
 KNOWN_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri", "unknown"}
 UNENFORCEABLE = ("uniqueItems", "dependencies", "dependentRequired", "dependentSchemas", "if", "then", "else", "not",
                  "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
@@ -52,6 +54,8 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "readO
                "$id", "id", "$schema", "$anchor", "contentEncoding", "contentMediaType", "markdownDescription",
                "$defs", "definitions"}  # and definitions: not constraints on the value here
 MAX_DEPENDENCIES = 3  # per object: 2^n grammar branches
+MAX_SUBSCHEMAS = 10_000  # per schema, before any grammar work (the compile's cost grows with them)
+MAX_PROPERTIES = 1_000  # per object: optional properties cost the grammar quadratically
 MAX_ROUNDS = 8  # compile, relax what llguidance names, again
 MAX_ERRORS = 5  # validation errors reported
 
@@ -459,6 +463,18 @@ def locate(schema: dict) -> Optional[Tuple[str, str]]:
     return None
 
 
+def check_size(schema: dict, where: str, param: Optional[str]) -> None:
+    """A 400 for a schema past MAX_SUBSCHEMAS or MAX_PROPERTIES, before any grammar work."""
+    for n, (node, path) in enumerate(walk(schema), 1):
+        if n > MAX_SUBSCHEMAS:
+            raise bad_request(f"{where}invalid json schema: more than {MAX_SUBSCHEMAS:,} subschemas", param,
+                              "invalid_constraint")
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > MAX_PROPERTIES:
+            raise bad_request(f"{where}invalid json schema: {len(props):,} properties in one object at "
+                              f"{pointer(path) or '/'}; at most {MAX_PROPERTIES:,}", param, "invalid_constraint")
+
+
 def serve_schema(schema: Any, mode: str = "relaxed", param: Optional[str] = None) -> ServedSchema:
     """The schema as served in `mode`; a 400 (APIError, in the API's shape) when it cannot be."""
     if schema is True or schema == {}:
@@ -469,8 +485,13 @@ def serve_schema(schema: Any, mode: str = "relaxed", param: Optional[str] = None
         text = json.dumps(schema, sort_keys=False)
     except (TypeError, ValueError) as e:
         raise bad_request(f"{param or 'schema'}: not a JSON schema: {e}", param, "invalid_constraint") from e
-    served, error = _serve(text)
     where = f"{param}: " if param else ""
+    check_size(schema, where, param)
+    try:
+        served, error = within(GRAMMAR_SECONDS, _serve, text)
+    except TimeoutError:
+        raise bad_request(f"{where}invalid json schema: serving it took longer than {GRAMMAR_SECONDS:g}s (simplify it: "
+                          "fewer properties or alternatives)", param, "invalid_constraint") from None
     if error is not None:
         found = locate(served.schema)
         at = "" if found is None else (f" ('{found[0]}' at {found[1]})" if found[0] else f" (at {found[1]})")

@@ -7,11 +7,9 @@ and the one way a request starts (`start`, which returns its `Run`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import List, Optional
@@ -26,7 +24,9 @@ from mtp_serve.models.caches import KVSetting
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 from mtp_serve.server.chat import ChatFormat, ChatPrompt
 from mtp_serve.server.errors import bad_request, engine_refusals
-from mtp_serve.server.images import ImageSettings
+from mtp_serve.server.images import ImageSettings, capped_spec
+from mtp_serve.server.lanes import Lanes, within
+from mtp_serve.server.schema_relax import GRAMMAR_SECONDS
 from mtp_serve.server.limits import Limits
 from mtp_serve.server.metrics import Metrics
 from mtp_serve.server.run import Options, Run
@@ -65,7 +65,7 @@ class ServerConfig:
     max_tokens_over_context: str = "clamp"  # a max_tokens past the context: "clamp" lowers it to fit, "refuse" is a 400
     special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
     metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
-    tokenizer_threads: int = 2  # threads rendering and tokenizing prompts (off the event loop)
+    tokenizer_threads: int = 2  # threads per preparation lane (lanes.py): rendering, tokenizing, images, grammars
     warm_up: bool = False  # before serving: requests through the engine (server/warmup.py); mtp-serve turns it on
     json_schema_mode: str = "relaxed"  # --json-schema-mode: "strict" refuses what the grammar cannot enforce (schema_relax.py)
     images: ImageSettings = field(default_factory=ImageSettings)  # --max-images, --max-image-bytes, ... (images.py)
@@ -102,6 +102,7 @@ class Service:
         self.tokenizer = hf_tokenizer(loaded.tokenizer)
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        self.too_many_prompt_bytes = self.max_context * self.max_token_bytes  # text that cannot fit the context
         loaded.model.use_kv(KVSetting(config.kv_bits, config.kv_group_size))  # before any cache is made
         prompt_cache = self._open_prompt_cache()
         self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
@@ -115,8 +116,11 @@ class Service:
                                image_settings=config.images)
         self.metrics = Metrics(self.engine)
         # Prompts are checked, rendered and tokenized off the event loop, on a few threads
-        # (tokenizers releases the GIL), so one huge request cannot hold up the others.
-        self.cpu = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="mtp-tokenize")
+        # (tokenizers releases the GIL), in two lanes: heavy requests wait behind their own kind.
+        self.lanes = Lanes(config.tokenizer_threads)
+        vision = getattr(loaded.model, "vision", None)
+        spec = capped_spec(vision.spec, config.images.max_image_tokens) if vision is not None else None
+        self.min_image_tokens = max(1, spec.min_pixels // spec.factor ** 2) if spec is not None else 1
         self.created = int(time.time())
 
     def _open_prompt_cache(self):
@@ -150,19 +154,31 @@ class Service:
         return self.max_context - n_prompt
 
     def check_constraint(self, c: Constraint) -> None:
-        """Compile an output constraint now (a 400 naming the problem), not in the engine."""
+        """Compile an output constraint now (a 400 naming the problem), not in the engine; a
+        compile past the grammar budget's seconds is refused then, not when it ends (it goes
+        on, on a grammar thread, and its result is dropped)."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None:
+            scheduler.grammar_compiler()  # built once per model, before the clock starts
         try:
-            self.engine.check_constraint(c)
+            within(GRAMMAR_SECONDS, self.engine.check_constraint, c)
+        except TimeoutError:
+            raise bad_request(f"the {c.kind.replace('_', ' ')} took longer than {GRAMMAR_SECONDS:g}s to compile "
+                              "(simplify it: fewer properties or alternatives, bounded repetition)",
+                              "response_format", "invalid_constraint") from None
         except GrammarError as e:
             raise bad_request(str(e), "response_format", "invalid_constraint") from e
 
-    def check_prompt_bytes(self, n_bytes: int) -> None:
+    def check_prompt_bytes(self, n_bytes: int, n_images: int = 0) -> None:
         """Before any rendering or tokenizing: no token holds more than `max_token_bytes`
-        bytes, so a prompt whose text needs more tokens than the context cannot fit."""
-        at_least = n_bytes // self.max_token_bytes
+        bytes and no image takes fewer than `min_image_tokens`, so a prompt whose text and
+        images need more tokens than the context cannot fit."""
+        at_least = n_bytes // self.max_token_bytes + n_images * self.min_image_tokens
         if at_least >= self.max_context:
+            images = f" and {n_images} images" if n_images else ""
             raise bad_request(f"This model's maximum context length is {self.max_context} tokens; the prompt's "
-                              f"{n_bytes} bytes of text are at least {at_least} tokens", None, "context_length_exceeded")
+                              f"{n_bytes} bytes of text{images} are at least {at_least} tokens", None,
+                              "context_length_exceeded")
 
     def max_tokens(self, requested: Optional[int], n_prompt: int, room: int, param: str) -> int:
         """The completion's budget. Without max_tokens: the rest of the context (or
@@ -234,7 +250,8 @@ class Service:
             return await self.engine.run_job(make_steps)
 
     async def run_cpu(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
+        """`fn(*args)` on the request's preparation lane (lanes.py)."""
+        return await self.lanes.run(fn, *args)
 
     @lru_cache(maxsize=65536)
     def token_text(self, token: int) -> str:

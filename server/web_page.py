@@ -32,8 +32,41 @@ router = APIRouter(include_in_schema=False)
 
 
 def wants_html(request: Request) -> bool:
-    """A browser navigating: its Accept header names text/html (curl, SDKs and agents send */* or JSON)."""
-    return "text/html" in request.headers.get("accept", "")
+    """A browser navigating: its Accept header prefers text/html to JSON (RFC 9110 content
+    negotiation: q-values, the most specific range, case-insensitive). curl, SDKs and agents send
+    */*, JSON or nothing, and a tie goes to JSON."""
+    ranges = accept_ranges(request.headers.get("accept", ""))
+    return quality(ranges, "text", "html") > quality(ranges, "application", "json")
+
+
+def accept_ranges(header: str) -> list:
+    """[(type, subtype, q)] of an Accept header, lower-cased; malformed ranges are skipped."""
+    out = []
+    for item in header.split(","):
+        media, *params = item.split(";")
+        kind, _, sub = media.strip().lower().partition("/")
+        if not kind or not sub:
+            continue
+        q = 1.0
+        for param in params:
+            name, _, value = param.strip().partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = min(1.0, max(0.0, float(value.strip())))
+                except ValueError:
+                    q = 0.0
+        out.append((kind, sub, q))
+    return out
+
+
+def quality(ranges: list, kind: str, sub: str) -> float:
+    """The q the most specific matching range gives kind/sub (0 when none matches)."""
+    best, best_rank = 0.0, -1
+    for k, s, q in ranges:
+        rank = 2 if (k, s) == (kind, sub) else 1 if (k == kind and s == "*") else 0 if (k, s) == ("*", "*") else -1
+        if rank > best_rank:
+            best, best_rank = q, rank
+    return best
 
 
 def index() -> HTMLResponse:

@@ -120,7 +120,8 @@ def test_a_pathological_constraint_does_not_stall_other_requests(server):
         t0 = time.perf_counter()
         r = post(server, CHAT, {"messages": MSG, "max_tokens": 8, "guided_regex": "(a{1000}){1000}"})
         slow.append(time.perf_counter() - t0)
-        assert_400(r, "too many expressions")
+        msg = assert_400(r)  # llguidance's limit, or the compile's deadline on a busy machine
+        assert "too many expressions" in msg or "took longer than" in msg, msg
         t = time.perf_counter()
         options = [f"option number {i}" for i in range(50000)]
         r = post(server, CHAT, {"messages": MSG, "max_tokens": 40, "guided_choice": options, "temperature": 0})

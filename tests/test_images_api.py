@@ -25,7 +25,8 @@ from mtp_serve.server.images import ImageSettings
 
 e2e = pytest.mark.e2e  # live servers (conftest.py: test tiers); Codex below is the agents tier
 
-LIMITS = ImageSettings(max_images=4, max_image_bytes=200_000, max_image_pixels=1_000_000, fetch_timeout=1.0)
+LIMITS = ImageSettings(max_images=4, max_image_bytes=200_000, max_image_pixels=1_000_000, fetch_timeout=1.0,
+                       fetch_allow_hosts=("127.0.0.1",))  # the image host below is on loopback
 GREEDY = {"temperature": 0}
 
 
@@ -195,8 +196,8 @@ BAD = {  # class: (urls, a needle of the 400's message); `{host}` is the loopbac
     "too many bytes without length": (["{host}/unsized.png"], "--max-image-bytes"),
     "too many pixels": ([data_url(HUGE)], "--max-image-pixels"),
     "too many images": ([data_url(SMALL)] * (LIMITS.max_images + 1), "--max-images"),
-    "http 404": (["{host}/missing.png"], "HTTP 404"),
-    "refused": ([f"http://127.0.0.1:{CLOSED.getsockname()[1]}/x.png"], "failed"),
+    "http 404": (["{host}/missing.png"], "could not fetch the image (the request failed"),
+    "refused": ([f"http://127.0.0.1:{CLOSED.getsockname()[1]}/x.png"], "could not fetch the image (the request failed"),
     "fetch timeout": (["{host}/slow.png"], "--image-fetch-timeout"),
     "fetch timeouts side by side": (["{host}/slow.png"] * LIMITS.max_images, "--image-fetch-timeout"),  # one timeout, not four
 }

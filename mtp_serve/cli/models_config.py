@@ -22,6 +22,7 @@ Flags on the command line are every model's defaults; a model's keys override th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -44,6 +45,23 @@ SERVER_KEYS = {"max_loaded_bytes": (str, int), "prompt_cache_bytes": (str, int)}
 
 class ConfigError(ValueError):
     pass
+
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name: a Hugging Face repo id
+
+
+def check_path(path: str, where: str) -> None:
+    """A model path is a checkpoint folder, or a repo id when it names nothing here (downloaded
+    on first load); a file, or a missing folder that is no repo id, is a ConfigError."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"{where}: {path} is a file, not a checkpoint folder")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{where}: {path} has no config.json: not a checkpoint folder")
+        return
+    if p.is_absolute() or path.startswith((".", "~")) or not REPO_ID.fullmatch(path):
+        raise ConfigError(f"{where}: no such folder: {path}")
 
 
 @dataclass
@@ -95,7 +113,13 @@ def parse_config(text: str, base: Optional[Path] = None) -> ServeFile:
     out = []
     for i, m in enumerate(models):
         where = f"[[model]] {i + 1}"
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: a [[model]] is a table")
         _check(m, MODEL_KEYS, where)
+        if "name" in m:
+            if not m["name"].strip():
+                raise ConfigError(f"{where}.name: empty")
+            where = f"[[model]] {i + 1} ('{m['name']}')"
         m = dict(m)
         if "aliases" in m and not all(isinstance(a, str) and a for a in m["aliases"]):
             raise ConfigError(f"{where}.aliases: a list of names")
@@ -113,11 +137,16 @@ def parse_config(text: str, base: Optional[Path] = None) -> ServeFile:
             local = base / m["path"]
             if local.exists():
                 m["path"] = str(local)
+        if "path" in m:
+            check_path(m["path"], f"{where}.path")
         out.append(m)
     shares = sum(m.get("prompt_cache_share", 0) for m in out)
     if shares > 1 + 1e-9:
         raise ConfigError(f"the models' prompt_cache_share add up to {shares:g}, more than 1")
-    return ServeFile(out, _size(server["max_loaded_bytes"], "[server].max_loaded_bytes") if "max_loaded_bytes" in server else None,
+    budget = _size(server["max_loaded_bytes"], "[server].max_loaded_bytes") if "max_loaded_bytes" in server else None
+    if budget == 0:
+        raise ConfigError("[server].max_loaded_bytes: must be more than 0")
+    return ServeFile(out, budget,
                      _size(server["prompt_cache_bytes"], "[server].prompt_cache_bytes") if "prompt_cache_bytes" in server else None)
 
 

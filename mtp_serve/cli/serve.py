@@ -105,12 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded width x height per image, before resizing to the model's bounds (then 400)")
     p.add_argument("--image-fetch-timeout", type=float, default=images.fetch_timeout, metavar="SECONDS",
                    help="time to fetch one http(s) image URL, all of it (then 400)")
+    p.add_argument("--image-fetch-allow-hosts", type=allow_hosts, default=(), metavar="HOSTS",
+                   help="comma-separated host names, addresses or networks (10.0.0.0/8) image URLs may reach "
+                        "though not public; by default loopback, private, link-local, multicast and reserved addresses "
+                        "are never fetched (checked on every resolved address and every redirect)")
     p.add_argument("--max-image-tokens", type=int, default=images.max_image_tokens, metavar="N",
                    help="resize larger images down to about N image tokens (default 0: the checkpoint's own bounds; "
                         "on CPU the vision tower's time grows faster than the tokens)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: time running requests may take to finish before they end with a final "
+                        "error event (and [DONE]); a second signal ends them at once")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     ranks.add_arguments(p)
     return p
+
+
+def allow_hosts(text: str) -> tuple:
+    from mtp_serve.server.image_fetch import parse_allow_hosts
+
+    try:
+        return parse_allow_hosts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv=None) -> int:
@@ -127,6 +143,12 @@ def main(argv=None) -> int:
         return error(str(e))
     if args.mtp_depth is not None and not 1 <= args.mtp_depth <= 8:
         return error("--mtp-depth must be between 1 and 8")
+    if args.max_loaded_bytes is not None and args.max_loaded_bytes <= 0:
+        return error("--max-loaded-bytes must be more than 0")
+    if args.shutdown_grace < 0:
+        return error("--shutdown-grace must be 0 or more")
+    if args.image_fetch_timeout <= 0:
+        return error("--image-fetch-timeout must be more than 0")
     if args.max_queue < 1:
         return error("--max-queue must be at least 1")
     if args.max_batch_size < 1 or args.prefill_chunk < 1:
@@ -238,7 +260,7 @@ def main(argv=None) -> int:
                       max_json_depth=args.max_json_depth, max_stop=args.max_stop),
         images=ImageSettings(max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                              max_image_pixels=args.max_image_pixels, fetch_timeout=args.image_fetch_timeout,
-                             max_image_tokens=args.max_image_tokens),
+                             max_image_tokens=args.max_image_tokens, fetch_allow_hosts=args.image_fetch_allow_hosts),
         default_max_tokens=args.default_max_tokens,
         max_tokens_over_context=args.max_tokens_over_context,
         special_tokens_in_content=args.allow_special_tokens_in_content,
@@ -247,14 +269,16 @@ def main(argv=None) -> int:
         warm_up=group is None,  # across ranks every rank takes part in the warm-up rounds below instead
     )
     try:
-        if more or args.aliases:
+        if more or args.aliases or args.max_loaded_bytes is not None:
             from mtp_serve.server.models_registry import Models
 
             models = Models.serving(loaded, config, more=[spec(m, config) for m in more], aliases=args.aliases,
                                     max_loaded_bytes=args.max_loaded_bytes, load_seconds=load_seconds)
-            if models.used_bytes() > models.max_loaded_bytes:
-                return error(f"the model {name} needs {models.used_bytes():,} bytes of weights; "
-                             f"--max-loaded-bytes is {models.max_loaded_bytes:,}")
+            problem = models.budget_problem()
+            if problem:
+                budget = (f"--config {args.config}: [server].max_loaded_bytes" if args.config and args.budget_from_config
+                          else "--max-loaded-bytes")
+                return error(f"{budget}: {problem}")
             app = create_app(loaded, config, models=models)
         else:
             app = create_app(loaded, config, **({"engine_factory": group.engine_factory()} if group else {}))
@@ -262,6 +286,8 @@ def main(argv=None) -> int:
         return error(f"--prompt-cache-dir: {e}")
     except ValueError as e:  # a name given twice
         return error(str(e))
+    app.state.config_file = args.config
+    fail_start_in_one_line(app)
     svc = app.state.service
     print(f"mtp-serve: serving {name} ({loaded.path}) at http://{args.host}:{args.port}/v1; {mtp}; "
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
@@ -295,7 +321,7 @@ def main(argv=None) -> int:
             log.warning("warm-up failed (%s: %s); serving anyway", type(e).__name__, e)
     if group is not None:
         return group.serve(app, svc.engine, args.host, args.port, args.log_level)
-    return serve_until_stopped(app, args.host, args.port, args.log_level)
+    return serve_until_stopped(app, args.host, args.port, args.log_level, args.shutdown_grace)
 
 
 def several_models(args) -> list:
@@ -306,6 +332,7 @@ def several_models(args) -> list:
 
     paths = args.model or []
     args.aliases = ()
+    args.budget_from_config = False
     if args.config:
         if paths:
             raise ValueError("--config and --model: list the models in one place")
@@ -314,12 +341,18 @@ def several_models(args) -> list:
         except models_config.ConfigError as e:
             raise ValueError(f"--config {args.config}: {e}") from None
         models = f.models
+        args.budget_from_config = args.max_loaded_bytes is None and f.max_loaded_bytes is not None
         if args.max_loaded_bytes is None:
             args.max_loaded_bytes = f.max_loaded_bytes
         if args.prompt_cache_bytes is None:
             args.prompt_cache_bytes = f.prompt_cache_bytes
     else:
         models = [{"path": p} for p in paths]
+        for p in paths[1:]:  # the first is loaded at once, which names a missing one
+            try:
+                models_config.check_path(p, "--model")
+            except models_config.ConfigError as e:
+                raise ValueError(str(e)) from None
     args.model = models[0].get("path") if models else None
     for m in models[1:]:  # the command line's flags are every model's defaults
         m.setdefault("mtp", args.enable_mtp)
@@ -360,6 +393,33 @@ def spec(m, config):
                      mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"], pinned=bool(m.get("pinned")))
 
 
+def fail_start_in_one_line(app) -> None:
+    """A pinned model that fails to load at start ends the process with one line and status 1
+    (as every other start-up error), not the lifespan's traceback and uvicorn's status 3."""
+    import os
+    from contextlib import asynccontextmanager
+
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        try:
+            context = inner(a)
+            await context.__aenter__()
+        except RuntimeError as e:
+            where = f"--config {a.state.config_file}: " if getattr(a.state, "config_file", None) else ""
+            fail("mtp-serve", where + " ".join(str(e).split()))
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
+        try:
+            yield
+        finally:
+            await context.__aexit__(None, None, None)
+
+    app.router.lifespan_context = lifespan
+
+
 class _Stopped(Exception):
     """Ctrl-C or SIGTERM, raised where uvicorn hands the signal back after its graceful shutdown."""
 
@@ -368,9 +428,10 @@ def _stopped(signum, frame):
     raise _Stopped(signum)
 
 
-def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
-    """Serve until Ctrl-C or SIGTERM; after the drain (uvicorn's graceful shutdown, then the
-    app's lifespan: the engine stops, the disk cache flushes within its bound) exit with status 0.
+def serve_until_stopped(app, host: str, port: int, log_level: str, grace: float = 10.0) -> int:
+    """Serve until Ctrl-C or SIGTERM; after the drain (server/shutdown.py: running requests
+    finish within `grace` seconds, then end with their API's final events; then the app's
+    lifespan: the engine stops, the disk cache flushes within its bound) exit with status 0.
 
     uvicorn re-raises the signal it caught once it has shut down (so the process would die of
     SIGTERM, or raise KeyboardInterrupt into the interpreter's teardown); our handlers, which
@@ -384,16 +445,20 @@ def serve_until_stopped(app, host: str, port: int, log_level: str) -> int:
 
     import uvicorn
 
+    from mtp_serve.server.shutdown import DrainingServer
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level),
+                            end_requests=app.state.models.stop_engines, grace=grace)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
     except (_Stopped, KeyboardInterrupt):
         pass
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if server.started else 1)  # not started: the port was taken (uvicorn said so)
 
 
 if __name__ == "__main__":
