@@ -308,6 +308,11 @@ class ChatFormat:
         return OutputParser(reasoning, tools)
 
 
+def thinking_switch(effort: Optional[str]) -> Optional[dict]:
+    """A reasoning effort as Qwen templates' thinking switch: none / minimal turn it off."""
+    return None if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
+
+
 def one_system_message(messages: List[dict]) -> List[dict]:
     """Qwen templates take one system message, first: system messages elsewhere (Codex sends
     two developer messages, Claude Code system turns) join it, in order, so the prompt

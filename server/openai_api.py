@@ -17,8 +17,9 @@ from fastapi import APIRouter, Request
 from mtp_serve.engine import scoring
 from mtp_serve.server import constraints
 from mtp_serve.server import choices, structured
-from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages
+from mtp_serve.server.chat import ChatPrompt, PromptEncoder, template_messages, thinking_switch
 from mtp_serve.server.errors import bad_request, failure_body
+from mtp_serve.server.fields import refuse_unsupported
 from mtp_serve.server.parsers import ContentDelta, Event, ParsedOutput, ReasoningDelta, ToolCallStart, prompt_opens_reasoning
 from mtp_serve.server.run import Options, Run, Step, Usage, respond
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -185,6 +186,7 @@ def openai_stream(svc: Service, events, scope):
 
 
 def check_common(svc: Service, req) -> None:
+    refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -199,10 +201,17 @@ def include_usage(req) -> bool:
 def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
-                           None if named else req.tool_choice, named, req.chat_template_kwargs,
+                           None if named else req.tool_choice, named, template_kwargs(req),
                            output=constraints.requested(req, schema_mode(svc, req)), parallel_tool_calls=req.parallel_tool_calls,
                            schema_mode=schema_mode(svc, req), continue_final=req.continue_final_message,
                            add_generation_prompt=req.add_generation_prompt is not False)
+
+
+def template_kwargs(req: ChatCompletionRequest) -> Optional[dict]:
+    """chat_template_kwargs, with reasoning_effort as the template's thinking switch (as on
+    /v1/responses) unless the kwargs set it themselves."""
+    switch = thinking_switch(req.reasoning_effort) or {}
+    return {**switch, **(req.chat_template_kwargs or {})} or None
 
 
 def schema_mode(svc: Service, req) -> str:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from mtp_serve.engine.sampling import REPETITION_PENALTY_RANGE
+from mtp_serve.server.fields import UnsupportedChat, UnsupportedCompletions
 
 STRICT = dict(strict=True, allow_inf_nan=False)
 
@@ -152,7 +153,7 @@ class _OpenAIFields(SamplingFields):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class ChatCompletionRequest(_OpenAIFields):
+class ChatCompletionRequest(_OpenAIFields, UnsupportedChat):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -163,9 +164,10 @@ class ChatCompletionRequest(_OpenAIFields):
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     continue_final_message: bool = False  # vLLM's extra: the final assistant message is continued (a prefill)
     add_generation_prompt: Optional[bool] = None  # vLLM's extra: True (the default) opens the assistant's turn
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None  # none / minimal: thinking off
 
 
-class CompletionRequest(_OpenAIFields):
+class CompletionRequest(_OpenAIFields, UnsupportedCompletions):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 with echo and logprobs: score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
