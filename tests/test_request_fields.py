@@ -102,8 +102,8 @@ SAMPLING = {
     "min_p": Case({"min_p": 0.9}, SAMPLED),
     "seed": Case({"seed": 4}, SAMPLED),
     "frequency_penalty": Case({"frequency_penalty": 2.0}),
-    "presence_penalty": Case({"presence_penalty": 2.0}, SAMPLED),
-    "repetition_penalty": Case({"repetition_penalty": 3.0}, SAMPLED),
+    "presence_penalty": Case({"presence_penalty": 2.0}),
+    "repetition_penalty": Case({"repetition_penalty": 3.0}),
     "logit_bias": Case({"logit_bias": {"77": 100}}),
     "ignore_eos": Case({"ignore_eos": True}, {}),  # base: eos_first (set below)
     "mtp_depth": Case({"mtp_depth": 0}),
@@ -150,6 +150,9 @@ CHANGES: Dict[str, Dict[str, Case]] = {
         "echo": Case({"echo": True}),
         "logprobs": Case({"logprobs": 2}),
         "thinking_token_budget": Case({"thinking_token_budget": 2}, {"max_tokens": 30}, scripted=True),  # prompt: below
+        # prompts where the greedy reply repeats the token the penalty then moves
+        "presence_penalty": Case({"presence_penalty": 2.0}, {"prompt": "Hello, model."}),
+        "repetition_penalty": Case({"repetition_penalty": 3.0}, {"prompt": "Once upon a time"}),
     },
     "responses": {
         **SAMPLING,
