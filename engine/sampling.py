@@ -53,8 +53,10 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
     constraint: Optional[Constraint] = None  # a grammar the output must match (engine/grammar.py)
     copy_drafts: bool = True  # speculation may also draft tokens copied from the context (engine/context_drafts.py)
+    logit_bias: tuple = ()  # (token id, bias) pairs added to the logits before everything else
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -72,6 +74,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that moves the logits: the token is the model's argmax."""
+        return self.greedy and not self.has_penalties and not self.logit_bias
 
     @property
     def has_penalties(self) -> bool:
@@ -137,6 +144,14 @@ class TokenHistory:
             self.output_counts = self.output_counts.at[mx.array(list(tokens))].add(1.0)
 
 
+def apply_bias(logits: mx.array, bias: tuple) -> mx.array:
+    """logits [T, V] plus the request's logit_bias (OpenAI's: added to the raw logits)."""
+    if not bias:
+        return logits
+    ids, values = zip(*bias)
+    return logits.at[:, mx.array(ids)].add(mx.array(values, mx.float32))
+
+
 def apply_penalties(logits: mx.array, params: SamplingParams, history: TokenHistory, appended: Optional[mx.array]) -> mx.array:
     """logits [T, V]; `appended` [A] are drafted tokens not yet in `history`.
 
@@ -182,13 +197,13 @@ def target_logprobs(
     allowed: Optional[mx.array] = None,
 ) -> mx.array:
     """The full pipeline over logits [T, V] (fp32): what the sampler draws from.
-    `allowed` [T, V] (a grammar's masks) removes tokens first.
+    The logit bias comes first, then `allowed` [T, V] (a grammar's masks) removes tokens.
 
     Greedy requests get the (penalized) logits unnormalized: the argmax is all
     they need, and filters never remove the argmax. `normalize` them to report
     log-probabilities.
     """
-    logits = apply_mask(logits.astype(mx.float32), allowed)
+    logits = apply_mask(apply_bias(logits.astype(mx.float32), params.logit_bias), allowed)
     if params.has_penalties:
         logits = apply_penalties(logits, params, history, appended)
     if params.greedy:

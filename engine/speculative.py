@@ -58,8 +58,8 @@ MAX_OWED_PAIRS = 32
 
 
 def _argmax_only(seq: Sequence) -> bool:
-    """Greedy without penalties or grammar: the pipeline is the identity, the token the argmax."""
-    return seq.params.greedy and not seq.params.has_penalties and seq.grammar is None
+    """Greedy without penalties, logit bias or grammar: the pipeline is the identity, the token the argmax."""
+    return seq.params.argmax_only and seq.grammar is None
 
 
 def _accepts_by_match(seq: Sequence) -> bool:

@@ -24,6 +24,7 @@ from sse_starlette import ServerSentEvent
 from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import anthropic_error_body, bad_request, failure_status
+from mtp_serve.server.fields import UnsupportedMessages, refuse_unsupported
 from mtp_serve.server.run import Options, Run, Usage
 from mtp_serve.server.schemas import STRICT, SamplingFields
 from mtp_serve.server.models_registry import service_for
@@ -75,7 +76,7 @@ class CountTokensRequest(_Model):
     json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # mtp-serve extra: how tool schemas are served
 
 
-class MessagesRequest(CountTokensRequest, SamplingFields):
+class MessagesRequest(CountTokensRequest, SamplingFields, UnsupportedMessages):
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[List[str]] = Field(default=None, max_length=16)
     stream: bool = False
@@ -235,6 +236,7 @@ def message_body(mid: str, model: str, content: list, stop: tuple, usage_: dict)
 
 @router.post("/v1/messages")
 async def messages(req: MessagesRequest, request: Request):
+    refuse_unsupported(req)
     svc = await service_for(request, req.model)
     if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is None:
         raise bad_request("thinking.budget_tokens: required when thinking is enabled", "thinking.budget_tokens")

@@ -202,13 +202,14 @@ class ChatFormat:
     def render(self, messages: List[dict], tools: Optional[List[dict]] = None, tool_choice: Optional[str] = None,
                tool_name: Optional[str] = None, template_kwargs: Optional[dict] = None, messages_param: str = "messages",
                output: Optional[Constraint] = None, parallel_tool_calls: bool = True,
-               schema_mode: str = "relaxed", continue_final: bool = False) -> ChatPrompt:
+               schema_mode: str = "relaxed", continue_final: bool = False, add_generation_prompt: bool = True) -> ChatPrompt:
         """`messages` as chat templates expect them; `tools` as OpenAI function tools;
         `tool_choice` "none" / "auto" / "required" (None: "auto" with tools), or
         `tool_name` for one named function; `output`: a constraint on the output;
         `schema_mode`: how a forced call's tool schemas are served (schema_relax.py);
         `continue_final`: the last message is the start of the assistant's reply (a
-        prefill), which the output continues instead of opening a new turn."""
+        prefill), which the output continues instead of opening a new turn; `add_generation_prompt`
+        off: no assistant turn is opened either (the output goes on from the last message's end)."""
         if not self.template:
             raise bad_request("this model has no chat template; use /v1/completions or start the server with --chat-template")
         tools = tools or None
@@ -234,7 +235,7 @@ class ChatFormat:
             text = self.tokenizer.apply_chat_template(
                 escaped,
                 tools=escaped_tools,
-                add_generation_prompt=not continue_final,
+                add_generation_prompt=add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
                 tokenize=False,
                 chat_template=self.template,
@@ -302,6 +303,11 @@ class ChatFormat:
         reasoning = ReasoningParser(starts_in_reasoning=True) if prompt.opens_reasoning else None
         tools = make_tool_parser(prompt.tool_parser, prompt.tools) if prompt.tool_parser != "none" else None
         return OutputParser(reasoning, tools)
+
+
+def thinking_switch(effort: Optional[str]) -> Optional[dict]:
+    """A reasoning effort as Qwen templates' thinking switch: none / minimal turn it off."""
+    return None if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
 
 
 def one_system_message(messages: List[dict]) -> List[dict]:

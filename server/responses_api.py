@@ -26,7 +26,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mtp_serve.server import constraints, structured
+from mtp_serve.server.chat import thinking_switch
 from mtp_serve.server.errors import APIError, bad_request
+from mtp_serve.server.fields import UnsupportedResponses, refuse_unsupported
 from mtp_serve.server.parsers import ParsedOutput
 from mtp_serve.server.run import Options, Run, Usage
 from mtp_serve.server.schemas import STRICT, SamplingFields
@@ -52,7 +54,7 @@ class ReasoningConfig(_Model):
     summary: Optional[str] = None
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(SamplingFields, UnsupportedResponses):
     model: Optional[str] = None
     input: Union[str, List[Dict[str, Any]]]  # items: validated one by one by type (ITEMS)
     instructions: Optional[str] = None
@@ -245,9 +247,7 @@ def tool_choice(choice) -> tuple:
 
 
 def thinking_kwargs(reasoning: Optional[ReasoningConfig]) -> Optional[dict]:
-    if reasoning is None or reasoning.effort is None:
-        return None
-    return {"enable_thinking": reasoning.effort not in ("none", "minimal")}
+    return thinking_switch(reasoning.effort if reasoning is not None else None)
 
 
 def render(svc: Service, req: ResponsesRequest, history: List[dict]) -> tuple:
@@ -332,6 +332,7 @@ def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
 
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request):
+    refuse_unsupported(req)
     svc = await service_for(request, req.model)
     store: ResponseStore = request.app.state.response_store
     history = store.get(req.previous_response_id) if req.previous_response_id else []

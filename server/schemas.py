@@ -16,12 +16,16 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from mtp_serve.engine.sampling import REPETITION_PENALTY_RANGE
+from mtp_serve.server.fields import UnsupportedChat, UnsupportedCompletions
 
 STRICT = dict(strict=True, allow_inf_nan=False)
 
 # Any integer in [-2^63, 2^64) (signed or unsigned 64-bit), used modulo 2^64.
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64), AfterValidator(lambda v: v % (1 << 64))]
 RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
+# OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} (ids checked against the vocabulary in Service.start)
+LogitBias = Dict[str, Annotated[float, Field(ge=-100, le=100)]]
+MAX_N = 128  # choices per prompt (OpenAI's limit)
 
 
 class _Request(BaseModel):
@@ -111,6 +115,19 @@ class SamplingFields(_Request):
     # reasoning tokens before the server closes the think block (vLLM's name; Messages: thinking.budget_tokens)
     thinking_token_budget: Optional[int] = Field(default=None, ge=1)
     json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode
+    logit_bias: Optional[LogitBias] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids (decimal integers as strings); got {key!r}")
+        return v
+
+    @property
+    def logit_bias_pairs(self) -> tuple:
+        return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
 
 class _OpenAIFields(SamplingFields):
@@ -118,7 +135,7 @@ class _OpenAIFields(SamplingFields):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
@@ -144,7 +161,7 @@ class _OpenAIFields(SamplingFields):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class ChatCompletionRequest(_OpenAIFields):
+class ChatCompletionRequest(_OpenAIFields, UnsupportedChat):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -154,9 +171,11 @@ class ChatCompletionRequest(_OpenAIFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     continue_final_message: bool = False  # vLLM's extra: the final assistant message is continued (a prefill)
+    add_generation_prompt: Optional[bool] = None  # vLLM's extra: True (the default) opens the assistant's turn
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None  # none / minimal: thinking off
 
 
-class CompletionRequest(_OpenAIFields):
+class CompletionRequest(_OpenAIFields, UnsupportedCompletions):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 with echo and logprobs: score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)

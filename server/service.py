@@ -201,14 +201,20 @@ class Service:
     # -- runs
 
     def start(self, request, prompt: ChatPrompt, fields: SamplingFields, *, max_tokens: Optional[int], stop: tuple = (),
-              stop_token_ids: tuple = (), logprobs: Optional[int] = None, options: Options = Options()) -> Run:
+              stop_token_ids: tuple = (), logprobs: Optional[int] = None, options: Options = Options(),
+              seed_offset: int = 0) -> Run:
         """Check the prompt's length, build the engine's sampling (defaults from the
-        checkpoint's generation_config.json) and submit: the request's one `Run`."""
+        checkpoint's generation_config.json) and submit: the request's one `Run`.
+        `seed_offset`: choice k of n draws with seed + k (each choice its own, reproducible)."""
         room = self.check_context(len(prompt.ids), options.prompt_param)
         granted = self.max_tokens(max_tokens, len(prompt.ids), room, options.max_tokens_param)
         d = self.config.sampling_defaults
         pick = lambda k, fallback: getattr(fields, k) if getattr(fields, k) is not None else d.get(k, fallback)  # noqa: E731
         top_k = pick("top_k", 0)
+        bias = fields.logit_bias_pairs
+        vocab = self.loaded.model.vocab_size
+        if any(t >= vocab for t, _ in bias):
+            raise bad_request(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
         try:
             params = SamplingParams(
                 temperature=float(pick("temperature", 1.0)),
@@ -218,7 +224,7 @@ class Service:
                 presence_penalty=float(pick("presence_penalty", 0.0)),
                 frequency_penalty=float(pick("frequency_penalty", 0.0)),
                 repetition_penalty=float(pick("repetition_penalty", 1.0)),
-                seed=fields.seed,
+                seed=None if fields.seed is None else (fields.seed + seed_offset) % (1 << 64),
                 max_tokens=granted,
                 stop=tuple(stop),
                 stop_token_ids=tuple(stop_token_ids),
@@ -226,6 +232,7 @@ class Service:
                 logprobs=logprobs,
                 constraint=prompt.engine_constraint,
                 copy_drafts=fields.speculative is None or fields.speculative.copy_ is not False,
+                logit_bias=bias,
             )
         except ValueError as e:
             raise bad_request(str(e)) from e

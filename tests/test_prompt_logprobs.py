@@ -46,10 +46,10 @@ def test_echo_logprobs_are_the_prompts_log_softmax(server, max_tokens):
     want = [ref[i - 1, IDS[i]].item() for i in range(1, n)]
     assert lp["token_logprobs"][1:n] == pytest.approx(want, abs=1e-4)
     for i in range(1, n):
-        top = lp["top_logprobs"][i]
-        assert len(top) == 3
+        top = lp["top_logprobs"][i]  # the 3 most likely, and the prompt's own token among them
+        assert 3 <= len(top) <= 4 and lp["tokens"][i] in top  # (keys are texts: byte tokens can share "\ufffd")
         best = mx.argsort(-ref[i - 1])[:3].tolist()
-        assert sorted(top.values(), reverse=True) == pytest.approx([ref[i - 1, t].item() for t in best], abs=1e-4)
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx([ref[i - 1, t].item() for t in best], abs=1e-4)
     assert choice["text"].startswith(server.service.tokenizer.decode(IDS))
     assert r.json()["usage"]["prompt_tokens"] == n and r.json()["usage"]["completion_tokens"] == max_tokens
     assert choice["finish_reason"] == "length"

@@ -30,11 +30,9 @@ def body(api: str, prompt: str, budget: int, max_tokens: int) -> tuple:
     greedy = {"model": MODEL, "temperature": 0}
     if api == "chat":
         return "/v1/chat/completions", {**greedy, "messages": HI, "max_tokens": max_tokens, "thinking_token_budget": budget,
-                                        "chat_template_kwargs": {"enable_thinking": True},
-                                        "stream_options": {"include_usage": True}}
+                                        "chat_template_kwargs": {"enable_thinking": True}}
     if api == "completions":
-        return "/v1/completions", {**greedy, "prompt": prompt, "max_tokens": max_tokens, "thinking_token_budget": budget,
-                                   "stream_options": {"include_usage": True}}
+        return "/v1/completions", {**greedy, "prompt": prompt, "max_tokens": max_tokens, "thinking_token_budget": budget}
     if api == "messages":
         return "/v1/messages", {**greedy, "messages": HI, "max_tokens": max_tokens,
                                 "thinking": {"type": "enabled", "budget_tokens": budget}}
@@ -82,7 +80,8 @@ def send(root: str, path: str, req: dict, stream: bool) -> tuple:
         r = httpx.post(root + path, json=req, timeout=120)
         assert r.status_code == 200, r.text
         return r
-    with httpx.stream("POST", root + path, json={**req, "stream": True}, timeout=120) as r:
+    usage = {"stream_options": {"include_usage": True}} if "/v1/chat/" in path or "/v1/completions" in path else {}
+    with httpx.stream("POST", root + path, json={**req, "stream": True, **usage}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         r.read()
         return r

@@ -3,7 +3,7 @@ unseeded requests (rejection sampling of the drafts) and seeded ones (per-positi
 noise, which also makes them reproducible whatever the depth or the batch).
 
 Two-sample chi-square per output position over 1,000 short samples each, at
-temperature 1 with top-k and top-p, and with penalties and min-p, on a model whose head is accepted often
+temperature 1 with top-k and top-p, with penalties and min-p, and with a logit bias, on a model whose head is accepted often
 enough that acceptance, rejection-with-correction and bonus tokens all occur.
 """
 
@@ -49,7 +49,9 @@ def chi2_pvalue(a, b):
     {"temperature": 1.0, "top_k": 3, "top_p": 0.95},
     # Penalties see the drafted prefix as generated history; min-p filters after temperature.
     {"temperature": 1.0, "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2},
-], ids=["topk-topp", "penalties-minp"])
+    # The bias is added before everything else, in the drafts' pipeline as in the target's.
+    {"temperature": 1.0, "top_k": 5, "logit_bias": ((9, 3.0), (40, 2.0), (77, 2.5), (100, -1.0))},
+], ids=["topk-topp", "penalties-minp", "logit-bias"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
 def test_mtp_sampling_matches_plain_distribution(params_kw, seeded, loaded):
     lm = loaded("qwen3_5", agreeable=True)

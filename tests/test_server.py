@@ -244,7 +244,7 @@ def _post(server, body, path="/chat/completions", **kw):
     ({"messages": [{"role": "bogus", "content": "x"}]}, "messages.0.role"),
     ({"messages": []}, "messages"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
