@@ -19,7 +19,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mtp_serve.engine.engine_loop import EngineLoop
-from mtp_serve.server import anthropic_api, openai_api, responses_api, stats_api, web_page
+from mtp_serve.server import anthropic_api, openai_api, responses_api, responses_store, stats_api, web_page
 from mtp_serve.server.auth import APIKeyMiddleware
 from mtp_serve.server.errors import error_body, install_error_handlers
 from mtp_serve.server.limits import BodyLimitMiddleware, check_request
@@ -64,8 +64,8 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop, models: 
         open_paths = {"/health", "/"} | web_page.OPEN_PATHS | ({"/metrics"} if config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
     app.add_middleware(LeaseMiddleware, models=models)
-    app.state.response_store = responses_api.ResponseStore()
-    for api in (openai_api, anthropic_api, responses_api):
+    app.state.response_store = responses_store.ResponseStore()
+    for api in (openai_api, anthropic_api, responses_api, responses_store):
         app.include_router(api.router, dependencies=[Depends(check_request)])
     app.include_router(stats_api.router)
     app.include_router(web_page.router)
