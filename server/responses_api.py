@@ -357,12 +357,13 @@ async def responses(req: ResponsesRequest, request: Request):
                     options=Options(parallel_tool_calls=req.parallel_tool_calls, prompt_param="input",
                                     max_tokens_param="max_output_tokens"))
     rid, created = new_id("resp"), int(time.time())
-    final: Dict[str, dict] = {}
+    final: Dict[str, Any] = {}  # the finished body and its structured-output report
 
     def finish(output: List[dict], u: Usage, reason: str, reasoning: str, report: Optional[dict]) -> dict:
         status = "incomplete" if reason == "length" else "completed"
         body = response_body(rid, created, svc, req, run, status=status, output=output, usage_=usage(svc, u, reasoning))
         body = final["body"] = {**body, **structured.field(report)}
+        final["report"] = report
         if req.store and (not req.background or rid in store):  # a deleted background response stays deleted
             store.put(rid, body, history_after(conversation, output))
         return body
@@ -384,7 +385,7 @@ async def responses(req: ResponsesRequest, request: Request):
     if top is not None:  # logprobs are laid out per output_text part, as the stream lays them out
         async for _ in stream(Events()):
             pass
-        return run.respond(final["body"])
+        return run.respond(final["body"], final["report"])
     done = await run.complete()
     body = finish(output_items(done.parsed, namespaces, done.finish_reason == "length"), done.usage, done.finish_reason,
                   done.parsed.reasoning or "", None)
