@@ -229,6 +229,15 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+def tool_input(arguments: str) -> dict:
+    """A call's JSON arguments as tool_use `input` (a Hermes model's own text can be malformed: then {})."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def message_body(mid: str, model: str, content: list, stop: tuple, usage_: dict) -> dict:
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage_}
@@ -257,7 +266,7 @@ async def messages(req: MessagesRequest, request: Request):
         content.append({"type": "text", "text": done.parsed.content})
     for call in done.parsed.tool_calls:
         content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-                        "input": json.loads(call["function"]["arguments"])})
+                        "input": tool_input(call["function"]["arguments"])})
     stop = stop_reason(svc, done.finish_reason, done.token_ids, done.text, stops)
     return run.respond(message_body(mid, model, content, stop, usage(done.usage)), done.report)
 

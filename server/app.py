@@ -6,7 +6,8 @@ Routes live with their API (`openai_api.py`, `anthropic_api.py`, `responses_api.
 (`service.py`), which starts each request's `Run` (`run.py`). Errors leave
 through `errors.py`. Before a route runs: the API key (`auth.py`, before the body
 is read), the body's size (`limits.py`), then the request limits
-(`limits.py`, on the parsed JSON, before validation).
+(`limits.py`, on the parsed JSON, before validation). With `--cors-origins`, CORS
+(preflights, Access-Control-Allow-Origin) comes before all of them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from mtp_serve.engine.engine_loop import EngineLoop
-from mtp_serve.server import anthropic_api, openai_api, responses_api, stats_api, web_page
+from mtp_serve.server import anthropic_api, openai_api, responses_api, responses_store, stats_api, web_page
 from mtp_serve.server.auth import APIKeyMiddleware
 from mtp_serve.server.errors import error_body, install_error_handlers
 from mtp_serve.server.limits import BodyLimitMiddleware, check_request
@@ -64,8 +66,11 @@ def create_app(loaded, config: ServerConfig, engine_factory=EngineLoop, models: 
         open_paths = {"/health", "/"} | web_page.OPEN_PATHS | ({"/metrics"} if config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, key=config.api_key, open_paths=open_paths, on_reject=svc.metrics.request)
     app.add_middleware(LeaseMiddleware, models=models)
-    app.state.response_store = responses_api.ResponseStore()
-    for api in (openai_api, anthropic_api, responses_api):
+    if config.cors_origins:  # added last: outermost, so a preflight is answered before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], max_age=600)
+    app.state.response_store = responses_store.ResponseStore()
+    for api in (openai_api, anthropic_api, responses_api, responses_store):
         app.include_router(api.router, dependencies=[Depends(check_request)])
     app.include_router(stats_api.router)
     app.include_router(web_page.router)

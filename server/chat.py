@@ -12,9 +12,12 @@ API's choices are the same as chat's.) An output constraint (`response_format`
 and the like) goes through the same place; with thinking on, the reasoning
 before either stays free.
 
-Streaming tool calls: a call goes out when its `</tool_call>` arrives, as one
-delta with id and name, then its argument chunks; text that never becomes a
-well-formed call (malformed, or cut off by max_tokens) is sent as content.
+Streaming tool calls (as vLLM streams them): a call goes out as soon as its
+function name is read, as one delta with id and name, then its arguments in
+pieces as the model writes them. A call cut off by max_tokens is still a call,
+its arguments closed after what was written (finish_reason "length"); a block
+cut off before its name is dropped. Tool-call markup never reaches content;
+text that never becomes a call (an undeclared function) is content.
 
 Special tokens in client text (`PromptEncoder`): a message containing
 `<|im_end|>` must not close its turn. Before rendering, every special token in

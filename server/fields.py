@@ -46,16 +46,12 @@ COMPLETIONS_REFUSED: Refusals = {
     "best_of": ("best_of is not supported; use n", lambda v: v == 1),
 }
 RESPONSES_REFUSED: Refusals = {
-    "background": ("background responses are not supported", _falsy),
     "conversation": ("conversations are not supported; use previous_response_id", _never),
     "prompt": ("prompt templates are not supported; send input and instructions", _never),
     "max_tool_calls": ("max_tool_calls is not supported", _never),
     "moderation": ("moderation is not supported", _never),
     "truncation": ("only truncation \"disabled\" is supported: a prompt past the context is a 400", lambda v: v == "disabled"),
     "context_management": ("context management is not supported", _never),
-    "top_logprobs": ("output logprobs are not supported on /v1/responses", _falsy),
-    "include": ("of include, only \"reasoning.encrypted_content\" is accepted (reasoning comes back as text)",
-                lambda v: set(v) <= {"reasoning.encrypted_content"}),
 }
 MESSAGES_REFUSED: Refusals = {
     "container": ("code execution containers are not supported", _never),
@@ -97,15 +93,12 @@ class UnsupportedCompletions(BaseModel):
 
 
 class UnsupportedResponses(BaseModel):
-    background: Optional[Any] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
     max_tool_calls: Optional[Any] = None
     moderation: Optional[Any] = None
     truncation: Optional[Any] = None
     context_management: Optional[Any] = None
-    top_logprobs: Optional[Any] = None
-    include: Optional[Any] = None
 
 
 class UnsupportedMessages(BaseModel):

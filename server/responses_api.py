@@ -9,9 +9,11 @@ with `input_tokens_details.cached_tokens` (and `image_tokens`) and the MTP figur
 `usage.speculative`. Streams send the documented events, each with its
 `sequence_number`; an engine failure ends a stream with `response.failed`.
 
-Stored responses (`store`, default true) live in a bounded in-memory store,
-so a request can continue one with `previous_response_id`; clients that resend
-the whole conversation (Codex) need no store.
+Stored responses (`store`, default true) live in a bounded in-memory store
+(`responses_store.py`: retrieve, delete, cancel, background runs), so a request
+can continue one with `previous_response_id`; clients that resend the whole
+conversation (Codex) need no store. `include: ["message.output_text.logprobs"]`
+(or `top_logprobs`) adds each output_text part's token logprobs.
 """
 
 from __future__ import annotations
@@ -19,26 +21,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mtp_serve.server import constraints, structured
+from mtp_serve.engine.engine_loop import EngineError, EngineStopped
 from mtp_serve.server.chat import thinking_switch
-from mtp_serve.server.errors import APIError, bad_request
+from mtp_serve.server.errors import APIError, bad_request, internal_error
 from mtp_serve.server.fields import UnsupportedResponses, refuse_unsupported
 from mtp_serve.server.parsers import ParsedOutput
 from mtp_serve.server.run import Options, Run, Usage
 from mtp_serve.server.schemas import STRICT, SamplingFields
 from mtp_serve.server.models_registry import service_for
+from mtp_serve.server.openai_api import chat_logprobs
+from mtp_serve.server.responses_store import ResponseStore, run_in_background
 from mtp_serve.server.service import Service
 from mtp_serve.server.streaming import sse_response
-from mtp_serve.server.translate import BlockEvent, Blocks, flatten_text, function_tool
+from mtp_serve.server.translate import Block, BlockEvent, Blocks, flatten_text, function_tool
 
 router = APIRouter()
-STORE_ENTRIES = 512  # stored responses kept (least recently used go first)
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# `include` values: the logprobs are given; the others name output this server never makes
+# (encrypted reasoning, hosted tools' results, input images echoed back), so they add nothing.
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "code_interpreter_call.outputs")
 
 
 class _Model(BaseModel):
@@ -66,6 +75,9 @@ class ResponsesRequest(SamplingFields, UnsupportedResponses):
     reasoning: Optional[ReasoningConfig] = None
     stream: bool = False
     store: bool = True
+    background: bool = False
+    include: Optional[List[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     previous_response_id: Optional[str] = None
     metadata: Optional[Dict[str, Any]] = None
 
@@ -136,26 +148,6 @@ def validated(model, value: Any, param: str):
         where = ".".join([param, *(str(p) for p in loc)])
         msgs = list(dict.fromkeys(x["msg"] for x in errors))
         raise bad_request(f"{where}: {' or '.join(msgs)}"[:500], where) from e
-
-
-class ResponseStore:
-    """Conversations of stored responses (template messages, instructions left out), bounded."""
-
-    def __init__(self, entries: int = STORE_ENTRIES):
-        self.entries = entries
-        self._items: "OrderedDict[str, List[dict]]" = OrderedDict()
-
-    def get(self, rid: str) -> List[dict]:
-        if rid not in self._items:
-            raise APIError(404, f"Previous response with id '{rid}' not found.", param="previous_response_id",
-                           code="previous_response_not_found", type="invalid_request_error")
-        self._items.move_to_end(rid)
-        return self._items[rid]
-
-    def put(self, rid: str, messages: List[dict]) -> None:
-        self._items[rid] = messages
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
 
 
 # ---------------------------------------------------------------- request -> template messages
@@ -275,13 +267,13 @@ def reasoning_item(iid: str, text: str, status: str = "completed") -> dict:
             "status": status}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: Optional[list] = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(iid: str, text: Optional[str], status: str = "completed") -> dict:
+def message_item(iid: str, text: Optional[str], status: str = "completed", logprobs: Optional[list] = None) -> dict:
     return {"type": "message", "id": iid, "status": status, "role": "assistant",
-            "content": [] if text is None else [text_part(text)]}
+            "content": [] if text is None else [text_part(text, logprobs)]}
 
 
 def call_item(iid: str, call_id: str, name: str, arguments: str, namespaces: Dict[str, str], status: str = "completed") -> dict:
@@ -291,14 +283,18 @@ def call_item(iid: str, call_id: str, name: str, arguments: str, namespaces: Dic
     return item
 
 
-def output_items(parsed: ParsedOutput, namespaces: Dict[str, str]) -> List[dict]:
+def output_items(parsed: ParsedOutput, namespaces: Dict[str, str], cut_off: bool) -> List[dict]:
+    """The output items; a reply with no text and no call still has its (empty) message. Cut off
+    by max_output_tokens, the last item is `incomplete`."""
     items = []
     if parsed.reasoning is not None:
         items.append(reasoning_item(new_id("rs"), parsed.reasoning))
-    if parsed.content is not None:
-        items.append(message_item(new_id("msg"), parsed.content))
+    if parsed.content is not None or not parsed.tool_calls:
+        items.append(message_item(new_id("msg"), parsed.content or ""))
     for c in parsed.tool_calls:
         items.append(call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], namespaces))
+    if cut_off:
+        items[-1]["status"] = "incomplete"
     return items
 
 
@@ -317,7 +313,8 @@ def response_body(rid: str, created: int, svc: Service, req: ResponsesRequest, r
         "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning.model_dump() if req.reasoning else None, "store": req.store, "temperature": run.params.temperature,
+        "reasoning": req.reasoning.model_dump() if req.reasoning else None, "store": req.store, "background": req.background,
+        "temperature": run.params.temperature, "top_logprobs": req.top_logprobs,
         "text": text | {"format": text.get("format") or {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [], "top_p": run.params.top_p, "truncation": "disabled", "usage": usage_, "metadata": req.metadata or {},
     }
@@ -330,25 +327,54 @@ def history_after(conversation: List[dict], items: List[dict]) -> List[dict]:
                                           for item in items])
 
 
+def wants_logprobs(req: ResponsesRequest) -> Optional[int]:
+    """How many top logprobs each output_text token gets (None: no logprobs)."""
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDABLE:
+            raise bad_request(f"include[{i}]: {value!r} is not supported (supported: {', '.join(INCLUDABLE)})", f"include.{i}")
+    if OUTPUT_LOGPROBS in (req.include or ()) or req.top_logprobs:
+        return req.top_logprobs or 0
+    return None
+
+
+def check_modes(req: ResponsesRequest) -> None:
+    if req.background and not req.store:
+        raise bad_request("background responses must be stored: background=true needs store=true", "background")
+    if req.background and req.stream:
+        raise bad_request("background=true with stream=true is not supported: create the response in the background, "
+                          "then poll GET /v1/responses/{id}", "stream")
+
+
 @router.post("/v1/responses")
 async def responses(req: ResponsesRequest, request: Request):
     refuse_unsupported(req)
+    check_modes(req)
+    top = wants_logprobs(req)
     svc = await service_for(request, req.model)
     store: ResponseStore = request.app.state.response_store
-    history = store.get(req.previous_response_id) if req.previous_response_id else []
+    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
     prompt, conversation, namespaces = await svc.run_cpu(render, svc, req, history)
-    run = svc.start(request, prompt, req, max_tokens=req.max_output_tokens,
+    run = svc.start(request, prompt, req, max_tokens=req.max_output_tokens, logprobs=top,
                     options=Options(parallel_tool_calls=req.parallel_tool_calls, prompt_param="input",
                                     max_tokens_param="max_output_tokens"))
     rid, created = new_id("resp"), int(time.time())
+    final: Dict[str, Any] = {}  # the finished body and its structured-output report
 
     def finish(output: List[dict], u: Usage, reason: str, reasoning: str, report: Optional[dict]) -> dict:
         status = "incomplete" if reason == "length" else "completed"
-        if req.store:
-            store.put(rid, history_after(conversation, output))
         body = response_body(rid, created, svc, req, run, status=status, output=output, usage_=usage(svc, u, reasoning))
-        return {**body, **structured.field(report)}
+        body = final["body"] = {**body, **structured.field(report)}
+        final["report"] = report
+        if req.store and (not req.background or rid in store):  # a deleted background response stays deleted
+            store.put(rid, body, history_after(conversation, output))
+        return body
 
+    def stream(ev: Events, items: Optional[Dict[int, dict]] = None, on_start=None):
+        return response_stream(svc, req, run, rid, created, ev, finish, namespaces, items=items, on_start=on_start,
+                               logprobs=top is not None)
+
+    if req.background:
+        return start_background(request, store, svc, req, run, rid, created, stream)
     if req.stream:
         ev = Events()
 
@@ -356,10 +382,46 @@ async def responses(req: ResponsesRequest, request: Request):
             return [ev("response.failed", response=response_body(rid, created, svc, req, run, status="failed", output=[],
                                                                  error={"code": "server_error", "message": str(e)}))]
 
-        return sse_response(svc, response_stream(svc, req, run, rid, created, ev, finish, namespaces), request.scope, on_error=failed)
+        return sse_response(svc, stream(ev), request.scope, on_error=failed)
+    if top is not None:  # logprobs are laid out per output_text part, as the stream lays them out
+        async for _ in stream(Events()):
+            pass
+        return run.respond(final["body"], final["report"])
     done = await run.complete()
-    body = finish(output_items(done.parsed, namespaces), done.usage, done.finish_reason, done.parsed.reasoning or "", None)
+    body = finish(output_items(done.parsed, namespaces, done.finish_reason == "length"), done.usage, done.finish_reason,
+                  done.parsed.reasoning or "", None)
     return run.respond(body, done.report)
+
+
+def failure_message(e: Exception) -> str:
+    """What a client may read of a failure (an engine's own message; anything else is logged)."""
+    return str(e) if isinstance(e, (EngineError, EngineStopped)) else internal_error(e, "/v1/responses")
+
+
+def start_background(request: Request, store: ResponseStore, svc: Service, req: ResponsesRequest, run: Run, rid: str,
+                     created: int, stream):
+    """Answer `queued` now; the response generates in a task of its own (responses_store.py)."""
+    body = response_body(rid, created, svc, req, run, status="queued", output=[])
+    store.put(rid, body)
+    items: Dict[int, dict] = {}
+
+    async def work():
+        async for _ in stream(Events(), items, on_start=lambda: store.update(rid, status="in_progress")):
+            pass
+
+    # The model's leases go with the task: released when it ends, not with this request.
+    leases = request.scope.get("mtp_leases")
+    held = list(leases or ())
+    if leases:
+        leases.clear()
+    models = request.app.state.models
+    so_far = lambda: [items[i] for i in sorted(items)]  # noqa: E731
+    run_in_background(store, rid, work(),
+                      on_cancel=lambda: {"status": "cancelled", "output": so_far()},
+                      on_failure=lambda e: {"status": "failed", "output": so_far(),
+                                            "error": {"code": "server_error", "message": failure_message(e)}},
+                      release=lambda: [models.release(e) for e in held])
+    return run.respond(body)
 
 
 # ---------------------------------------------------------------- streaming
@@ -376,9 +438,11 @@ class Events:
         return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": self.n - 1, **body}, ensure_ascii=False)}
 
 
-def item_events(ev: Events, e: BlockEvent, items: Dict[int, dict], namespaces: Dict[str, str]) -> List[dict]:
+def item_events(ev: Events, e: BlockEvent, items: Dict[int, dict], namespaces: Dict[str, str],
+                text_logprobs: Dict[int, list], step_logprobs: list, status: str = "completed") -> List[dict]:
     """One content block's event as output item events: added (and its content part),
-    deltas, then the done events."""
+    deltas, then the done events (the item `status` given). A text delta carries
+    `step_logprobs` (emptied once used), which also join its part's logprobs."""
     b, idx = e.block, e.block.index
     if e.type == "start":
         if b.kind == "thinking":
@@ -396,37 +460,63 @@ def item_events(ev: Events, e: BlockEvent, items: Dict[int, dict], namespaces: D
     if e.type == "delta":
         if b.kind == "tool_use":
             return [ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=e.delta)]
-        kind = "response.reasoning_text.delta" if b.kind == "thinking" else "response.output_text.delta"
-        return [ev(kind, item_id=item["id"], output_index=idx, content_index=0, delta=e.delta,
-                   **({} if b.kind == "thinking" else {"logprobs": []}))]
+        if b.kind == "thinking":
+            return [ev("response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=e.delta)]
+        lps = list(step_logprobs)
+        step_logprobs.clear()
+        text_logprobs.setdefault(idx, []).extend(lps)
+        return [ev("response.output_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=e.delta,
+                   logprobs=lps)]
     if b.kind == "thinking":
         item["content"] = [{"type": "reasoning_text", "text": b.text}]
         part = item["content"][0]
         out = [ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=b.text),
                ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
     elif b.kind == "text":
-        item["content"] = [text_part(b.text)]
-        out = [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=b.text, logprobs=[]),
+        lps = text_logprobs.get(idx, [])
+        item["content"] = [text_part(b.text, lps)]
+        out = [ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=b.text, logprobs=lps),
                ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=item["content"][0])]
     else:
         item["arguments"] = b.text
         out = [ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, name=item["name"],
                   arguments=b.text)]
-    item["status"] = "completed"
+    item["status"] = status
     return out + [ev("response.output_item.done", output_index=idx, item=item)]
 
 
-async def response_stream(svc: Service, req, run: Run, rid: str, created: int, ev: Events, finish, namespaces):
+async def response_stream(svc: Service, req, run: Run, rid: str, created: int, ev: Events, finish, namespaces,
+                          items: Optional[Dict[int, dict]] = None, on_start=None, logprobs: bool = False):
     """response.created, response.in_progress, then per output item: output_item.added,
     its content / argument events, output_item.done; then response.completed
-    (response.incomplete when max_output_tokens cut it)."""
+    (response.incomplete when max_output_tokens cut it: the last item is `incomplete`).
+    A reply with neither text nor a call still has its (empty) message. `items` (given)
+    holds the output items so far; `on_start` is called at the first engine step;
+    with `logprobs`, each engine step's token logprobs go with its text."""
     start = response_body(rid, created, svc, req, run, status="in_progress", output=[])
     yield ev("response.created", response=start)
     yield ev("response.in_progress", response=start)
-    blocks, items = Blocks(), {}
+    blocks, items = Blocks(), {} if items is None else items
+    text_logprobs: Dict[int, list] = {}
+    pending: list = []  # logprobs of tokens whose text is still held back by the parsers
+    kinds = set()
     async for step in run.steps():
-        for e in blocks.feed(step.events) + (blocks.close() if step.finish_reason else []):
-            for x in item_events(ev, e, items, namespaces):
+        if on_start is not None:
+            on_start()
+            on_start = None
+        if logprobs and step.chunk is not None and step.chunk.logprobs:
+            pending += chat_logprobs(step.chunk.logprobs, svc.token_text)["content"]
+        events = blocks.feed(step.events)
+        if step.events and not any(e.type == "delta" and e.block.kind == "text" for e in events):
+            pending.clear()  # reasoning or call tokens: not the message's
+        closing = blocks.close() if step.finish_reason else []
+        if closing and not {"text", "tool_use"} & (kinds | {e.block.kind for e in events}):
+            empty = Block(blocks.count, "text")  # no text and no call: the message is there, empty
+            closing += [BlockEvent("start", empty), BlockEvent("stop", empty)]
+        for e in events + closing:
+            kinds.add(e.block.kind)
+            last = step.finish_reason == "length" and e is (closing[-1] if closing else None)
+            for x in item_events(ev, e, items, namespaces, text_logprobs, pending, "incomplete" if last else "completed"):
                 yield x
         if step.finish_reason:
             reasoning = "".join(items[i]["content"][0]["text"] for i in sorted(items)

@@ -65,6 +65,7 @@ class ServerConfig:
     max_tokens_over_context: str = "clamp"  # a max_tokens past the context: "clamp" lowers it to fit, "refuse" is a 400
     special_tokens_in_content: bool = False  # parse special tokens in client text (a prompt-injection risk)
     metrics_without_key: bool = False  # with api_key: /metrics stays open to a scraper
+    cors_origins: tuple = ()  # --cors-origins: browser origins allowed to call the API ("*": any); none by default
     tokenizer_threads: int = 2  # threads per preparation lane (lanes.py): rendering, tokenizing, images, grammars
     warm_up: bool = False  # before serving: requests through the engine (server/warmup.py); mtp-serve turns it on
     json_schema_mode: str = "relaxed"  # --json-schema-mode: "strict" refuses what the grammar cannot enforce (schema_relax.py)

@@ -195,7 +195,7 @@ def beside(server, hostile_calls, settle: float = 0.3) -> tuple:
 
 @pytest.fixture(scope="module")
 def vision_server(checkpoint_dir):
-    from test_server_support import LiveServer, ServerConfig
+    from support.server import LiveServer, ServerConfig
 
     path = checkpoint_dir("qwen3_5", vision=True, agreeable=True)
     with LiveServer(load_with_vision(path), ServerConfig(served_model_name="test-model", images=FETCH)) as s:

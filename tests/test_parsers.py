@@ -383,7 +383,6 @@ def test_xml_lenient_missing_end_tags():
         "Wrap calls in <tool_call> tags, like <tool_call>this</tool_call>.",
         # partial tag at the very end
         "Some text <tool_c",
-        "Some text\n\n<tool_call>",
         # bad function header
         "<tool_call>\n<function=get weather\n>\n</tool_call>",
         "<tool_call>\n<function=" + "x" * 300 + ">\n</tool_call>",
@@ -394,11 +393,16 @@ def test_xml_malformed_is_verbatim_content(text):
 
 
 def test_xml_unclosed_block():
-    # Cut off (max_tokens) inside a call: verbatim content, streamed or not.
+    # Cut off (max_tokens) inside a call: the call with its arguments so far, streamed or not.
     text = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
-    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (text, [])
-    text = "Checking.\n<tool_call>\n<function=get_wea"
-    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == (text, [])
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == ("Checking.", [("get_weather", {"city": "Par"})])
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n1"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == ("", [("get_weather", {"city": "Paris", "days": 1})])
+    text = "<tool_call>\n<function=get_weather>\n<parameter=ci"
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, text) == ("", [("get_weather", {})])
+    # Cut off before the function name: no call, and no markup as content.
+    for cut in ("<tool_call>", "<tool_call>\n<func", "<tool_call>\n<function=get_wea"):
+        assert assert_stream_equivalent("qwen3_coder", TOOLS, "Checking.\n" + cut) == ("Checking.", [])
 
 
 def test_xml_call_without_tool_call_wrapper():
@@ -413,7 +417,9 @@ def test_xml_call_without_tool_call_wrapper():
     unknown = "See <function=launch>\n<parameter=n>\n1\n</parameter>\n</function> here"
     assert assert_stream_equivalent("qwen3_coder", TOOLS, unknown) == (unknown, [])
     assert assert_stream_equivalent("qwen3_coder", None, bare) == (bare, [])
-    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare[:-len("</function>")]) == (bare[:-len("</function>")], [])
+    # Cut off: the call so far.
+    assert assert_stream_equivalent("qwen3_coder", TOOLS, bare[:-len("</function>")]) == (
+        "", [("get_weather", {"city": "Dallas", "days": 2})])
 
 
 def test_xml_malformed_then_valid():
@@ -431,14 +437,19 @@ def test_xml_no_tools_accepts_any_name():
     assert assert_stream_equivalent("qwen3_coder", None, text)[1] == [("anything", {"x": "1"})]
 
 
-def test_xml_call_is_sent_when_its_block_closes():
-    """Nothing of a block goes out before `</tool_call>`: a cut-off call can still be content."""
+def test_xml_call_streams_name_then_arguments():
+    """The name goes out as soon as it is read, then the arguments as they are written."""
     p = make_tool_parser("qwen3_coder", TOOLS)
-    evs = p.feed("Hi\n<tool_call>\n<function=write_file>\n<parameter=content>\nabc\n</parameter>\n</function>\n")
-    assert evs == [ContentDelta("Hi")] and not p.has_tool_calls
-    evs = p.feed("</tool_call>")
-    assert [type(e) for e in evs] == [ToolCallStart, ToolCallArgsDelta] and p.has_tool_calls
-    assert json.loads(evs[1].text) == {"content": "abc"}
+    assert p.feed("Hi\n<tool_call>\n<function=write_fi") == [ContentDelta("Hi")]
+    (start,) = p.feed("le>\n")
+    assert isinstance(start, ToolCallStart) and start.name == "write_file" and p.has_tool_calls
+    pieces = []
+    for delta in ("<parameter=content>\nab", "c\nde", "f\n</parameter>\n", "</function>\n</tool_call>"):
+        evs = p.feed(delta)
+        assert all(isinstance(e, ToolCallArgsDelta) for e in evs)
+        pieces.append("".join(e.text for e in evs))
+    assert pieces[0] == '{"content": "ab' and pieces[1] == "c\\nde"  # each piece as soon as it is safe
+    assert json.loads("".join(pieces)) == {"content": "abc\ndef"} and p.finish() == []
 
 
 # ------------------------------------------------------------------ hermes
@@ -473,16 +484,34 @@ def test_hermes_calls():
 @pytest.mark.parametrize(
     "text",
     [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',  # bad JSON
+        '<tool_call>\n{"name": "get_weather" "arguments": {"city": "Paris"}}\n</tool_call>',  # bad JSON
         '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',  # unknown name
         '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
         '<tool_call>\n{"name": "ping", "arguments": [1]}\n</tool_call>',  # arguments not an object
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # unclosed
         "Text <tool_call",
     ],
 )
 def test_hermes_malformed_is_verbatim_content(text):
     assert assert_stream_equivalent("hermes", TOOLS, text) == (text, [])
+
+
+def test_hermes_streams_and_closes_a_cut_off_call():
+    p = make_tool_parser("hermes", TOOLS)
+    assert p.feed('Sure.\n<tool_call>\n{"name": "get_wea') == [ContentDelta("Sure.")]
+    assert p.feed('ther", "arguments": ') == []  # the name goes out with the arguments' first brace
+    start, args = p.feed('{"ci')
+    assert start.name == "get_weather" and args == ToolCallArgsDelta(0, '{"ci')
+    assert p.feed('ty": "Pa') == [ToolCallArgsDelta(0, 'ty": "Pa')]
+    assert p.finish() == [ToolCallArgsDelta(0, '"}')]
+    for cut, args in [('{"city": "Pa', {"city": "Pa"}), ('{"city": "Paris", "days": 2', {"city": "Paris", "days": 2}),
+                      ('{"city": "Paris", "days": tr', {"city": "Paris", "days": True}), ('{"ci', {"ci": None}),
+                      ('{"city": "Paris"', {"city": "Paris"}), ("{", {})]:
+        text = '<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+        assert assert_stream_equivalent("hermes", TOOLS, text) == ("", [("get_weather", args)]), cut
+    text = '<tool_call>\n{"name": "get_weather", "argum'
+    assert assert_stream_equivalent("hermes", TOOLS, text) == ("", [("get_weather", {})])
+    for cut in ("<tool_call>", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_we'):
+        assert assert_stream_equivalent("hermes", TOOLS, "Sure. " + cut) == ("Sure.", [])
 
 
 def test_hermes_malformed_then_valid():
@@ -567,9 +596,9 @@ def test_output_parser_without_components():
     assert not p.has_tool_calls
 
 
-def test_output_parser_unclosed_call_is_content():
+def test_output_parser_unclosed_call_is_a_call():
     text = "Think.\n</think>\n\nAnswer.\n<tool_call>\n<function=ping>\n"
     for chunks in chunkings(text, n_random=4):
         p, events = run_output(lambda: OutputParser(ReasoningParser(True), make_tool_parser("qwen3_coder", TOOLS)), chunks)
-        # Unclosed call (cut off): content, verbatim.
-        assert output_summary(events) == ("Think.", "Answer.\n<tool_call>\n<function=ping>\n", [])
+        # Unclosed call (cut off): the call so far.
+        assert output_summary(events) == ("Think.", "Answer.", [("ping", {})])

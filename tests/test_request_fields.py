@@ -28,7 +28,7 @@ from mtp_serve.server import fields
 from mtp_serve.server.anthropic_api import MessagesRequest
 from mtp_serve.server.responses_api import ResponsesRequest
 from mtp_serve.server.schemas import ChatCompletionRequest, CompletionRequest
-from test_server_support import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL
+from support.server import SCRIPT, SCRIPT_TEMPLATE, WEATHER_TOOL
 
 pytestmark = pytest.mark.e2e  # live servers (conftest.py: test tiers)
 

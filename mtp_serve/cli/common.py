@@ -26,6 +26,15 @@ def byte_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def origins(text: str) -> List[str]:
+    """argparse type for browser origins: comma-separated `scheme://host[:port]`, or `*` for any."""
+    out = [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
+    for o in out:
+        if o != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o, re.IGNORECASE):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin (scheme://host[:port], e.g. http://localhost:5173, or *)")
+    return out
+
+
 def fail(prog: str, msg: str) -> int:
     print(f"{prog}: error: {msg}", file=sys.stderr)
     return 1

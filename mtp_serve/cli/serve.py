@@ -18,7 +18,7 @@ from pathlib import Path
 from mtp_serve import BACKEND
 from mtp_serve.backend import GPU_WINDOWS_NOTE
 from mtp_serve.cli import ranks
-from mtp_serve.cli.common import OneLineParser, byte_size, fail
+from mtp_serve.cli.common import OneLineParser, byte_size, fail, origins
 from mtp_serve.server.images import ImageSettings
 from mtp_serve.server.limits import Limits
 
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health")
     p.add_argument("--metrics-without-key", action="store_true", help="with --api-key: leave /metrics open to a scraper")
+    p.add_argument("--cors-origins", type=origins, action="extend", default=[], metavar="ORIGINS",
+                   help="browser origins (scheme://host[:port], comma-separated, or * for any) allowed to call the API "
+                   "from their pages: CORS preflights are answered, before the API key check (default: none)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond the free batch slots (then 429)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per engine step between decode rounds")
@@ -266,6 +269,7 @@ def main(argv=None) -> int:
         special_tokens_in_content=args.allow_special_tokens_in_content,
         json_schema_mode=args.json_schema_mode,
         metrics_without_key=args.metrics_without_key,
+        cors_origins=tuple(dict.fromkeys(args.cors_origins)),
         warm_up=group is None,  # across ranks every rank takes part in the warm-up rounds below instead
     )
     try:

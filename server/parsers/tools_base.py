@@ -7,10 +7,13 @@ Interface: `feed(delta) -> list[Event]`, `finish() -> list[Event]`, `has_tool_ca
 Events are ContentDelta, ToolCallStart and ToolCallArgsDelta (see events.py).
 
 Content rules: whitespace just before a tool call, between calls and after the
-last call is dropped. A block's calls are sent when the block closes
-(`</tool_call>`): id and name, then the argument text. Text that never becomes
-a well-formed call (unclosed block at the end, bad JSON, a function not in
-`tools`) comes back as content, verbatim.
+last call is dropped. A call streams as it is written: id and name as soon as
+the name is read (and is a declared tool), then its argument text in pieces.
+From then on it is a call: cut off (max_tokens) it is closed with the
+arguments so far, still valid JSON. A block cut off before its function name
+is dropped (tool-call markup is never content). Text that never becomes a call
+(a function not in `tools`, a block with no function header) comes back as
+content, verbatim.
 """
 
 from __future__ import annotations
@@ -62,7 +65,6 @@ class ToolCallParser:
         self._schemas = tool_schemas(tools)
         self._buf = ""
         self._events: list[Event] = []
-        self._pending: list[Event] = []  # events of the open block, sent when it closes
         self._in_block = False
         self._raw: list[str] = []  # the open block as written, for the content fallback
         self._skip_ws = False  # drop whitespace that follows a tool call
@@ -102,8 +104,8 @@ class ToolCallParser:
         self._events.append(ev)
 
     def _out(self, ev: Event) -> None:
-        """A tool-call event of the open block: sent when the block closes."""
-        self._pending.append(ev)
+        """A tool-call event of the open block: sent at once (the block can no longer be content)."""
+        self._emit(ev)
 
     def _valid_name(self, name: str) -> bool:
         return bool(name) and (self._schemas is None or name in self._schemas)
@@ -163,20 +165,23 @@ class ToolCallParser:
         return len(tag)
 
     def _close_block(self) -> None:
-        """The block closed: release its calls."""
-        for ev in self._pending:
-            self._emit(ev)
-        self._pending = []
+        """The block closed (its calls are out already)."""
         self._in_block = False
         self._raw = []
         self._skip_ws = True
 
     def _fallback(self) -> None:
-        """The open block is not a valid tool call: what was consumed of it is content."""
-        self._pending = []
+        """The open block is not a tool call (none of it went out): what was consumed of it is content."""
         self._next_index = self._block_index  # its calls never happened
         self._in_block = False
         self._emit(ContentDelta("".join(self._raw)))
+        self._raw = []
+
+    def _drop(self) -> None:
+        """The output ended in a block cut off before its function name: nothing of it goes out."""
+        self._consume(len(self._buf))
+        self._next_index = self._block_index
+        self._in_block = False
         self._raw = []
 
     def _begin_block(self, tag: str) -> None:

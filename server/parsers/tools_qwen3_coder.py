@@ -190,6 +190,7 @@ class Qwen3CoderToolParser(ToolCallParser):
     def _begin_block(self, tag: str) -> None:
         self._state = _HEADER
         self._first_in_block = True
+        self._call_open = False
         self._bare = tag == FUNCTION_START
 
     def _step_block(self, final: bool) -> bool:
@@ -203,9 +204,11 @@ class Qwen3CoderToolParser(ToolCallParser):
         )[self._state](final)
 
     def _unclosed(self) -> bool:
-        """End of output inside a block: its text is content."""
+        """End of output inside a block (cut off): an open call closes with its arguments so far."""
         self._consume(len(self._buf))
-        self._fallback()
+        if self._call_open:
+            self._close_call()
+        self._close_block()
         return True
 
     def _step_header(self, final: bool) -> bool:
@@ -216,13 +219,16 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._open_call(m.group(1).strip())
             self._state = _BETWEEN
             return True
-        if not m and not final:
+        if not m:
             s = buf.lstrip()
-            if FUNCTION_START.startswith(s):
-                return False
             rest = s[len(FUNCTION_START):]
-            if s.startswith(FUNCTION_START) and len(rest) <= _MAX_NAME and _NAME_CHARS.fullmatch(rest):
+            partial = FUNCTION_START.startswith(s) or (
+                s.startswith(FUNCTION_START) and len(rest) <= _MAX_NAME and bool(_NAME_CHARS.fullmatch(rest)))
+            if partial and not final:
                 return False
+            if partial and self._first_in_block and not self._bare:
+                self._drop()  # cut off before the function name: no call, and no markup as content
+                return True
         # Not a call header.
         if self._bare:
             # Not a declared tool: the tag is text; scanning goes on after it.
@@ -243,9 +249,11 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._function = name
         self._index = self._new_index()
         self._nparams = 0
+        self._call_open = True
         self._out(ToolCallStart(self._index, new_call_id(), name))
 
     def _close_call(self) -> None:
+        self._call_open = False
         self._out(ToolCallArgsDelta(self._index, "}" if self._nparams else "{}"))
 
     def _args(self, text: str) -> None:

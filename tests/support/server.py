@@ -100,7 +100,7 @@ XML_CALLS = (
 )
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
 REASONED = "Greet them briefly.\n</think>\n\nHello there!"
-MALFORMED = "<tool_call>\n<function=get_weather>\nParis, please"  # unclosed: content
+MALFORMED = "<tool_call>\n<function=get_weather>\nParis, please"  # unclosed: a call, its stray text ignored
 NAMED_ARGS = "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
 
 # (messages, tools, template kwargs, forced suffix of the prompt, reply)
