@@ -82,7 +82,8 @@ class Scheduler(SchedulerLike):
         self.prefilling: Deque[Sequence] = deque()
         self.batch = Batch()  # the running rows, in join order
         self.seqs: Dict[Hashable, Sequence] = {}
-        self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (drafted, accepted) in the last round
+        self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (head drafts, accepted) in the last round
+        self.last_certain: Dict[Hashable, int] = {}  # key -> copied or forced drafts in the last round
         self._grammars: Optional[GrammarCompiler] = None
 
     # -- requests
@@ -177,8 +178,8 @@ class Scheduler(SchedulerLike):
             return [(s.key, e) for s in rows]
         # A round with certain drafts is no sample of the head's window costs (its window was longer).
         self.policy.observe(rows, depths, accepted.counts, elapsed if certain is None else None)
-        drafted = accepted.verified.drafts.depths
-        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, drafted, accepted.counts)}
+        self.last_round = {s.key: (d, m if d else 0) for s, d, m in zip(rows, depths, accepted.counts)}
+        self.last_certain = {s.key: len(c) for s, c in zip(rows, certain.chains) if c} if certain is not None else {}
         for i, s in enumerate(rows):
             if _grammar_failed(s):  # its own matcher failed (a grammar-engine limit): this row alone ends
                 out[i] = (s.key, GrammarError(f"the output constraint failed: {s.grammar.error}"))

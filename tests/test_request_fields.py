@@ -172,6 +172,9 @@ CHANGES: Dict[str, Dict[str, Case]] = {
         "parallel_tool_calls": Case({"parallel_tool_calls": False},
                                     {"input": WEATHER_PT, "max_output_tokens": 320, "tools": [RESPONSES_WEATHER],
                                      "reasoning": {"effort": "high"}}, scripted=True),
+        "background": Case({"background": True}),
+        "top_logprobs": Case({"top_logprobs": 2}),
+        "include": Case({"include": ["message.output_text.logprobs"]}),
     },
     "messages": {
         **SAMPLING,
@@ -195,15 +198,17 @@ CHANGES: Dict[str, Dict[str, Case]] = {
 }
 for _api in CHANGES:
     CHANGES[_api]["ignore_eos"] = Case({"ignore_eos": True}, {"logit_bias": "eos"})
+    # Copies from the context fire once the agreeable model's reply repeats itself: usage counts them.
+    CHANGES[_api]["speculative"] = Case({"speculative": {"copy": False}},
+                                        {"max_output_tokens" if _api == "responses" else "max_tokens": 48, "ignore_eos": True})
 
 # field -> a value refused with a 400 naming it
 REFUSED: Dict[str, Dict[str, Any]] = {
     "chat": {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "functions": [{"name": "f"}],
              "function_call": "auto", "web_search_options": {}, "moderation": {}, "verbosity": "low"},
     "completions": {"best_of": 2, "suffix": "and then"},
-    "responses": {"background": True, "conversation": "conv_1", "prompt": {"id": "pmpt_1"}, "max_tool_calls": 3,
-                  "moderation": {}, "truncation": "auto", "context_management": [{"type": "compaction"}], "top_logprobs": 2,
-                  "include": ["message.output_text.logprobs"]},
+    "responses": {"conversation": "conv_1", "prompt": {"id": "pmpt_1"}, "max_tool_calls": 3,
+                  "moderation": {}, "truncation": "auto", "context_management": [{"type": "compaction"}]},
     "messages": {"container": "c1", "mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}],
                  "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
 }
