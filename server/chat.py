@@ -351,6 +351,8 @@ def template_messages(messages: List[ChatMessage]) -> List[dict]:
         d = m.model_dump(exclude_none=True)
         if d["role"] == "developer":
             d["role"] = "system"
+        if "reasoning" in d and "reasoning_content" not in d:  # the name newer clients send back
+            d["reasoning_content"] = d.pop("reasoning")
         content = d.get("content")
         if isinstance(content, list):
             d["content"] = flatten_text(content, f"messages[{i}].content", f"messages.{i}.content", kinds=("text", "input_text"),

@@ -75,8 +75,8 @@ def chat_choice(index: int, message: dict, logprobs: Optional[dict], finish: str
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_body(rid: str, created: int, model: str, choices: List[dict], usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+def chat_body(rid: str, created: int, model: str, items: List[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": items,
             "usage": usage_}
 
 
@@ -117,8 +117,8 @@ def completion_choice(index: int, text: str, finish: str, logprobs: Optional[dic
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def completion_body(rid: str, created: int, model: str, choices: List[dict], usage_: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+def completion_body(rid: str, created: int, model: str, items: List[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": items,
             "usage": usage_}
 
 

@@ -2,6 +2,8 @@
 (completions top_logprobs, reasoning fields and tokens, request checks, empty replies),
 through the official `openai` client against a live server with MTP on."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -199,3 +201,21 @@ def test_reasoning_under_both_names_and_counted(scripted):
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == "Greet them briefly."
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Greet them briefly."
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+
+
+def test_reasoning_sent_back_under_either_name_reaches_the_template():
+    from mtp_serve.server.chat import template_messages
+    from mtp_serve.server.schemas import ChatMessage
+
+    sent = [ChatMessage(role="assistant", content="Hi", reasoning="Greet."),
+            ChatMessage(role="assistant", content="Hi", reasoning_content="Greet.")]
+    assert [m["reasoning_content"] for m in template_messages(sent)] == ["Greet.", "Greet."]
+
+
+def test_n_choices_each_follow_the_output_constraint(server):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    r = chat(server, temperature=1.0, seed=5, n=3, max_tokens=40,
+             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    for c in r.choices:
+        assert c.finish_reason == "stop" and set(json.loads(c.message.content)) == {"a"}
+        assert c.model_extra["structured_output"]["valid"] is True

@@ -15,7 +15,7 @@ A field without a verdict fails the test: a new field needs its own.
 import json
 import typing
 from dataclasses import dataclass, field as dc_field
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Union
 
 import anthropic.types.message_create_params as anthropic_messages
 import httpx
