@@ -52,17 +52,20 @@ SHAPES = {
 
 @contextmanager
 def oracle_drafts(reference: list, acceptance: float, vocab: int, seed: int = 0):
-    """Drafts become the reference continuation with probability `acceptance` (else wrong)."""
+    """The head's drafts become the reference continuation with probability `acceptance`
+    (else wrong); drafts that came with certainty (copied, forced) stay as they are."""
     rng = random.Random(seed)
     real = speculative.draft
 
-    def draft(model, batch, depths):
-        drafts = real(model, batch, depths)
+    def draft(model, batch, depths, certain=None):
+        drafts = real(model, batch, depths, certain)
         if drafts.tokens is None:
             return drafts
         rows = []
-        for s, K, row in zip(batch.rows, depths, drafts.tokens.tolist()):
+        for i, (s, K, row) in enumerate(zip(batch.rows, depths, drafts.tokens.tolist())):
             n = len(s.committed)
+            if drafts.sources is not None and drafts.sources[i]:  # copied or forced: left as drafted
+                K = 0
             for j in range(K):
                 ref = reference[n + j] if n + j < len(reference) else row[j]
                 row[j] = ref if rng.random() < acceptance else (ref + 1) % vocab
@@ -78,9 +81,10 @@ def oracle_drafts(reference: list, acceptance: float, vocab: int, seed: int = 0)
 
 
 def decode(lm, prompt, n, depth):
-    """Tokens, decode tokens/s (after the first token) and tokens per round (after the first)."""
+    """Tokens, decode tokens/s (after the first token) and tokens per round (after the first).
+    The head's drafts alone (no copies from the context: the oracle sets their acceptance)."""
     toks, first, last, stats = [], None, None, None
-    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True), depth):
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True), depth, copy_max=0):
         last = pc()
         first = first or last
         toks += chunk.token_ids

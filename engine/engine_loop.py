@@ -36,6 +36,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 from .grammar import GrammarError
 from .memory import release_idle_memory
 from .policy import DepthPolicy
+from .context_drafts import MAX_COPY
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerLike
@@ -119,6 +120,7 @@ class EngineLoop:
         prefill_chunk: int = 512,
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
+        copy_max: int = MAX_COPY,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -126,7 +128,7 @@ class EngineLoop:
         self.max_active = max_active
         self.prompt_cache = prompt_cache
         self.scheduler: SchedulerLike = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
-                                   prompt_cache=prompt_cache, policy=policy)
+                                   prompt_cache=prompt_cache, policy=policy, copy_max=copy_max)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
         self._jobs: Deque[Job] = deque()

@@ -17,6 +17,7 @@ from .chunks import GenerationChunk
 from .policy import DepthPolicy
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
+from .context_drafts import MAX_COPY
 from .scheduler import Scheduler
 
 
@@ -30,9 +31,11 @@ def generate(
     checkpoints: tuple = (),
     policy: Optional[DepthPolicy] = None,
     images: tuple = (),
+    copy_max: int = MAX_COPY,
 ) -> Iterator[GenerationChunk]:
+    """`copy_max`: most tokens copied from the context per round (0: the head's drafts alone)."""
     sched = Scheduler(model, tokenizer, max_batch_size=1, prefill_chunk=None, prompt_cache=prompt_cache,
-                      policy=policy or DepthPolicy(max_depth=depth, fixed=True))
+                      policy=policy or DepthPolicy(max_depth=depth, fixed=True), copy_max=copy_max)
     sched.add(0, prompt, params, depth, checkpoints, images)  # bad input raises here, not on the first next()
     return _chunks(sched)
 

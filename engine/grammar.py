@@ -326,6 +326,13 @@ class RowGrammar:
                 return
             self.consumed += 1
 
+    def forced(self, limit: int) -> List[int]:
+        """Up to `limit` tokens the grammar admits as the only continuation from here (JSON
+        keys and punctuation, a forced tool call's scaffold)."""
+        if self.error is not None or self._m.is_stopped() or limit <= 0:
+            return []
+        return list(self._m.compute_ff_tokens())[:limit]
+
     def rollback_to(self, consumed: int) -> None:
         """Back to the state after the first `consumed` tokens."""
         if consumed < self.consumed and self.error is None:

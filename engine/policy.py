@@ -21,7 +21,7 @@ One policy serves one row and many: a single stream is a batch of one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .sequence import Sequence, ema_update
 
@@ -113,8 +113,16 @@ class DepthPolicy:
         """Acceptance a new row starts from: what rows of this model showed so far."""
         return list(self.prior)
 
-    def observe(self, rows: List[Sequence], depths: List[int], accepted: List[int], seconds: float) -> None:
-        """Record a round: its wall time, and each row's drafts accepted."""
+    def observe(self, rows: List[Sequence], depths: List[int], accepted: List[int], seconds: Optional[float]) -> None:
+        """Record a round: its wall time (None: not a sample of the head's window costs),
+        and each row's drafts accepted."""
+        for s, d, m in zip(rows, depths, accepted):
+            # A re-probe after an idle stretch counts for more: a row recovers in one round.
+            weight = PROBE_WEIGHT if s.acceptance.idle_rounds >= ROW_REPROBE_EVERY else ROW_EMA
+            s.acceptance.observe(d, m, weight, self.prior_at)
+            ema_update(self.prior, d, m, PRIOR_EMA, lambda j: PRIOR_ACCEPTANCE)
+        if seconds is None:
+            return
         K = max(depths)
         bucket = batch_bucket(len(rows))
         key = (bucket, K)
@@ -126,11 +134,6 @@ class DepthPolicy:
         self.samples[key] = n + 1
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self.last_round[key] = self.rounds[bucket]
-        for s, d, m in zip(rows, depths, accepted):
-            # A re-probe after an idle stretch counts for more: a row recovers in one round.
-            weight = PROBE_WEIGHT if s.acceptance.idle_rounds >= ROW_REPROBE_EVERY else ROW_EMA
-            s.acceptance.observe(d, m, weight, self.prior_at)
-            ema_update(self.prior, d, m, PRIOR_EMA, lambda j: PRIOR_ACCEPTANCE)
 
     def summary(self) -> dict:
         return {

@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top alternatives to report; 0 = only the chosen token
     constraint: Optional[Constraint] = None  # a grammar the output must match (engine/grammar.py)
+    copy_drafts: bool = True  # speculation may also draft tokens copied from the context (engine/context_drafts.py)
 
     def __post_init__(self):
         if self.temperature < 0:

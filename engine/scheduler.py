@@ -31,10 +31,11 @@ from .batch import Batch
 from .grammar import GrammarCompiler, GrammarError
 from .policy import DepthPolicy
 from .prefill import prefill
+from .context_drafts import MAX_COPY, MIN_COPY
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
-from .speculative import RoundSync, run_round
+from .speculative import CertainDrafts, RoundSync, run_round
 
 log = logging.getLogger("mtp_serve.engine")
 _COMPILER_LOCK = threading.Lock()
@@ -77,6 +78,7 @@ class Scheduler(SchedulerLike):
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
         sync: Optional[RoundSync] = None,
+        copy_max: int = MAX_COPY,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -84,6 +86,7 @@ class Scheduler(SchedulerLike):
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache
         self.policy = policy or DepthPolicy()
+        self.copy_max = copy_max  # most tokens a row copies from its context per round; 0: no copy drafts
         # Serving across ranks (`distributed.py`): rank 0's decisions (first tokens,
         # depths, drafts, accepted tokens) are shared, and the other ranks take them.
         self.sync = sync
@@ -184,14 +187,19 @@ class Scheduler(SchedulerLike):
             depths = self.policy.depths(rows)
             if self.sync is not None:
                 depths = self.sync.depths(rows, depths)
-            accepted = run_round(self.model, self.batch, depths, self.sync)
+            certain = self._certain_drafts(rows) if self.sync is None else None
+            if certain is not None:
+                depths = [0 if c else d for c, d in zip(certain.chains, depths)]
+            accepted = run_round(self.model, self.batch, depths, self.sync, certain)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
             self._drop_batch()
             return [(s.key, e) for s in rows]
-        self.policy.observe(rows, depths, accepted.counts, elapsed)
-        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, depths, accepted.counts)}
+        # A round with certain drafts is no sample of the head's window costs (its window was longer).
+        self.policy.observe(rows, depths, accepted.counts, elapsed if certain is None else None)
+        drafted = accepted.verified.drafts.depths
+        self.last_round = {s.key: (d, m) for s, d, m in zip(rows, drafted, accepted.counts)}
         for i, s in enumerate(rows):
             if _grammar_failed(s):  # its own matcher failed (a grammar-engine limit): this row alone ends
                 out[i] = (s.key, GrammarError(f"the output constraint failed: {s.grammar.error}"))
@@ -199,6 +207,28 @@ class Scheduler(SchedulerLike):
             elif s.finished:
                 self._leave(s, store=True)
         return out
+
+    def _certain_drafts(self, rows: List[Sequence]) -> Optional[CertainDrafts]:
+        """Drafts that come with certainty, for rows that speculate: under a grammar, the
+        tokens it forces next; otherwise up to the row's copy limit of tokens copied from its
+        context (at least MIN_COPY, else the head drafts). None when no row has any. Every row
+        of a batch verifies the longest chain's window, so a batch shares the copy length out."""
+        chains, sources = [], []
+        most = self.copy_max if len(rows) == 1 else max(2 * MIN_COPY, self.copy_max // len(rows))
+        for s in rows:
+            chain, source = [], ""
+            if s.max_depth > 0 and s.tokens_left > 1:
+                if s.grammar is not None:
+                    chain, source = s.grammar.forced(min(self.copy_max or MAX_COPY, s.tokens_left - 1)), "forced"
+                elif s.params.copy_drafts and self.copy_max > 0:
+                    limit = min(s.copy_cap.limit, most, s.tokens_left - 1)
+                    if limit >= MIN_COPY and s.copy_cap.ready():
+                        chain, source = s.context_index().propose(limit), "copy"
+                        if len(chain) < MIN_COPY:
+                            chain = []
+            chains.append(chain)
+            sources.append(source if chain else "")
+        return CertainDrafts(chains, sources) if any(chains) else None
 
     def _drop_batch(self) -> None:
         """Forget every running row and its caches: after a failed round they may hold
@@ -220,8 +250,9 @@ class Scheduler(SchedulerLike):
         stored (the shared system prompt of agents started together)."""
         try:
             hit = self.prompt_cache.restore(seq.prompt_key, needs_head=seq.tracks_head)
-        except Exception:  # noqa: BLE001 - a cache that fails costs reuse, never the request
+        except Exception as e:  # noqa: BLE001 - a cache that fails costs reuse, never the request
             log.exception("request %r: prompt-cache lookup failed; prefilling the whole prompt", seq.key)
+            self.prompt_cache.failed("lookup", e)
             return
         if hit is not None:
             seq.start_from(hit.n, hit.caches, hit.owed)
@@ -234,8 +265,9 @@ class Scheduler(SchedulerLike):
             return
         try:
             self.prompt_cache.store(tokens, caches, seq.owed.hidden)
-        except Exception:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
+        except Exception as e:  # noqa: BLE001 - a snapshot that fails costs reuse, never the request
             log.exception("request %r: prompt-cache snapshot of %d tokens failed", seq.key, len(tokens))
+            self.prompt_cache.failed("snapshot", e)
 
     def _leave(self, seq: Sequence, store: bool = False) -> None:
         if store:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Hashable, List, Optional, Tuple
 import mlx.core as mx
 
 from .chunks import GenerationChunk, token_logprobs
+from .context_drafts import ContextIndex, CopyCap
 from .grammar import RowGrammar
 from .image_prompt import ImagePrompt
 from .sampling import Rng, SamplingParams, TokenHistory
@@ -130,6 +131,8 @@ class Sequence:
     checkpoints: tuple = ()
     grammar: Optional[RowGrammar] = None  # the matcher of a constrained request, at the output so far
     images: Optional[ImagePrompt] = None  # the prompt's images (vision-language models)
+    context: Optional[ContextIndex] = None  # prompt and committed tokens indexed for copy drafts (built on first use)
+    copy_cap: CopyCap = field(default_factory=CopyCap)
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property
@@ -149,6 +152,15 @@ class Sequence:
     def cache_tokens(self) -> List[int]:
         """The prompt-cache key of what the backbone caches hold while running (all but the primary)."""
         return self.prompt_key + self.committed[:-1]
+
+    def context_index(self) -> ContextIndex:
+        """The index of the prompt and every committed token, brought up to date."""
+        if self.context is None:
+            self.context = ContextIndex(self.prompt)
+        have = len(self.context) - len(self.prompt)
+        if have < len(self.committed):
+            self.context.extend(self.committed[have:])
+        return self.context
 
     def take_caches(self) -> RowCaches:
         """Hand the caches over (to a batch); the sequence no longer owns them."""

@@ -1,6 +1,6 @@
 """The speculative round over the running batch (1..B rows), top to bottom:
 
-    drafts   = draft(model, batch, depths)   # the MTP head proposes K_i tokens for row i
+    drafts   = draft(model, batch, depths, certain)  # row i: K_i tokens from the MTP head, copied or forced
     verified = verify(model, batch, drafts)  # one backbone pass over [x, d_1 .. d_W-1] per row
     accepted = accept(verified, batch.rows)  # row i keeps m_i <= K_i drafts, plus one token
     commit(batch, accepted)                  # each row's caches keep exactly what it kept
@@ -14,7 +14,10 @@ cache holds entries up to two positions before x, and the row's owed pairs
 (H[p], x[p+1]) cover the rest (see `OwedPairs`): running the head over them
 yields the first draft.
 
-Per-row depth: row i drafts K_i tokens (0 .. its cap; `policy.py` chooses).
+Per-row depth: row i drafts K_i tokens (0 .. its cap; `policy.py` chooses), from the
+MTP head or, where the scheduler found them, drafts that come with certainty: copied
+from the row's context (`context_drafts.py`) or the only tokens its grammar admits
+next. Their draft distribution q is a point mass, and the head does not run over them.
 The verify window is W = max K_i + 1 wide for every row. A row's positions
 past K_i + 1 are padding: drafted greedily (no randomness consumed), never
 accepted, and trimmed from its caches by the commit like any rejected draft.
@@ -72,6 +75,9 @@ class Drafts:
     noise: List[Optional[mx.array]]  # row i: [W, V] its position noise (seeded rows)
     masks: List[Optional[List[mx.array]]]  # row i: its grammar's mask [V] per position so far (constrained rows)
     grammar_start: List[int]  # row i: tokens its matcher held before this round's drafts
+    head_steps: int = 0  # entries the head chained on its own drafts (dropped again at the commit)
+    absorbed: bool = False  # the head ran over every row's owed pairs (the commit starts them afresh)
+    sources: Optional[List[str]] = None  # row i's drafts came with certainty: "copy" or "forced" ("": the head's)
 
     @property
     def width(self) -> int:
@@ -82,9 +88,9 @@ class Drafts:
     def given(cls, rows: List[Sequence], depths: List[int], tokens: Optional[mx.array]) -> "Drafts":
         """Drafts decided elsewhere (rank 0, serving across ranks): tokens only, no
         draft scores, noise or masks; each grammar where it stands."""
-        n = len(rows)
+        n, K = len(rows), max(depths)
         return cls(depths, tokens, [None] * n, [None] * n, [None] * n,
-                   [s.grammar.consumed if s.grammar is not None else 0 for s in rows])
+                   [s.grammar.consumed if s.grammar is not None else 0 for s in rows], max(K - 1, 0), K > 0)
 
 
 @dataclass
@@ -119,10 +125,12 @@ class RoundSync(Protocol):
     def accept(self, verified: Verified, rows: List[Sequence]) -> Accepted: ...
 
 
-def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[RoundSync] = None) -> Accepted:
-    """With `sync` (serving across ranks, `distributed.py`), rank 0's drafts and
-    accept decisions are shared and the other ranks use them."""
-    drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths)
+def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[RoundSync] = None,
+              certain: Optional["CertainDrafts"] = None) -> Accepted:
+    """`certain`: rows' drafts copied from their context or forced by their grammar (their
+    depth is then 0). With `sync` (serving across ranks, `distributed.py`), rank 0's drafts
+    and accept decisions are shared and the other ranks use them (no certain drafts)."""
+    drafts = sync.draft(model, batch, depths) if sync else draft(model, batch, depths, certain)
     verified = verify(model, batch, drafts)
     accepted = sync.accept(verified, batch.rows) if sync else accept(verified, batch.rows)
     commit(batch, accepted)
@@ -132,19 +140,31 @@ def run_round(model: MTPModel, batch: Batch, depths: List[int], sync: Optional[R
 # ---------------------------------------------------------------- 1. draft
 
 
-def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
+@dataclass
+class CertainDrafts:
+    """Drafts that come with certainty, per row ([] and "" where a row has none)."""
+
+    chains: List[List[int]]
+    sources: List[str]  # "copy": from the row's context; "forced": the only tokens its grammar admits
+
+
+def draft(model: MTPModel, batch: Batch, depths: List[int], certain: Optional[CertainDrafts] = None) -> Drafts:
     """The head over each row's owed pairs gives d_1; then it chains on its own hidden.
-    Every row runs through the head (absorbing its owed pairs) when any row drafts;
-    when none does, the head only absorbs the pairs rows piled up meanwhile."""
-    rows, K = batch.rows, max(depths)
-    noise = [position_noise(s.params.seed, len(s.committed), K + 1, model.vocab_size) if coupled(s.params) else None
+    Every row runs through the head (absorbing its owed pairs) when any row drafts from
+    it; when none does, the head only absorbs the pairs rows piled up meanwhile. Rows
+    with `certain` drafts draft those tokens instead (their depth is 0)."""
+    rows = batch.rows
+    K = max(depths)
+    width = max([K] + [len(c) for c in certain.chains]) if certain is not None else K
+    noise = [position_noise(s.params.seed, len(s.committed), width + 1, model.vocab_size) if coupled(s.params) else None
              for s in rows]
     masks = [[] if s.grammar is not None else None for s in rows]
     grammar_start = [s.grammar.consumed if s.grammar is not None else 0 for s in rows]
     if K == 0:
         if batch.head_cache is not None and max(len(s.owed) for s in rows) > MAX_OWED_PAIRS:
             head_over_owed(model, batch, keep_last=True)
-        return Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
+        drafts = Drafts(depths, None, [None] * len(rows), noise, masks, grammar_start)
+        return _with_certain(drafts, rows, certain, model.vocab_size) if certain is not None else drafts
     q: List[Optional[List[mx.array]]] = [[] if d and not _accepts_by_match(s) else None for s, d in zip(rows, depths)]
     hidden, logits = head_over_owed(model, batch)
     rope = batch.rope
@@ -175,8 +195,33 @@ def draft(model: MTPModel, batch: Batch, depths: List[int]) -> Drafts:
             logits = out[:, -1]
             if any(m is not None for m in masks):
                 mx.async_eval(logits)  # the head runs while the CPU computes the next masks
-    return Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
-                  grammar_start)
+    drafts = Drafts(depths, mx.stack(columns, axis=1), [mx.concatenate(r) if r else None for r in q], noise, masks,
+                    grammar_start, head_steps=K - 1, absorbed=True)
+    return _with_certain(drafts, rows, certain, model.vocab_size) if certain is not None else drafts
+
+
+def _with_certain(drafts: Drafts, rows: List[Sequence], certain: CertainDrafts, vocab: int) -> Drafts:
+    """The head's drafts with the certain chains put in: the window widens to the longest
+    chain (the other rows' extra positions are padding); each sampled row that matches no
+    target draw gets its chain's q, a point mass on each token; a constrained row's matcher
+    takes its chain, with the mask at each position (as the head's drafts do)."""
+    W = max([max(drafts.depths)] + [len(c) for c in certain.chains])
+    head = drafts.tokens.tolist() if drafts.tokens is not None else [[] for _ in rows]
+    tokens, depths, q = [], list(drafts.depths), list(drafts.q)
+    for i, (s, c) in enumerate(zip(rows, certain.chains)):
+        row = c if c else head[i]
+        tokens.append(row + [row[-1] if row else 0] * (W - len(row)))
+        if not c:
+            continue
+        depths[i] = len(c)
+        if not _accepts_by_match(s):
+            q[i] = mx.where(mx.arange(vocab)[None] == mx.array(c)[:, None], 0.0, -mx.inf)
+        if s.grammar is not None:
+            for t in c:
+                drafts.masks[i].append(s.grammar.mask())
+                s.grammar.consume([t])
+    return Drafts(depths, mx.array(tokens), q, drafts.noise, drafts.masks, drafts.grammar_start,
+                  drafts.head_steps, drafts.absorbed, certain.sources)
 
 
 def head_over_owed(model: MTPModel, batch: Batch, keep_last: bool = False):
@@ -289,13 +334,14 @@ def accept(verified: Verified, rows: List[Sequence]) -> Accepted:
 def commit(batch: Batch, accepted: Accepted) -> None:
     """Row i keeps GatedDeltaNet state after m_i + 1 window positions, drops its last
     W - m_i - 1 KV entries, and owes the head the pairs of what it emitted; the head's
-    entries for drafts 2..W-1 (chained on its own hidden) are dropped for every row."""
+    entries for its chained drafts (on its own hidden) are dropped for every row."""
     verified = accepted.verified
     W = verified.drafts.width
+    drafts = verified.drafts
     if W > 1:
         keep_verified(batch.cache, [m + 1 for m in accepted.counts], W)
-        if W > 2 and batch.head_cache is not None:  # (a pipeline stage without the head has none)
-            batch.head_cache.trim(W - 2)
+    if drafts.head_steps > 0 and batch.head_cache is not None:  # (a pipeline stage without the head has none)
+        batch.head_cache.trim(drafts.head_steps)
     for i, s in enumerate(batch.rows):
         m, emitted = accepted.counts[i], accepted.tokens[i]
         if s.grammar is not None:  # keep the accepted drafts it consumed, then take the rest
@@ -304,10 +350,16 @@ def commit(batch: Batch, accepted: Accepted) -> None:
             s.grammar.rollback_to(start + kept)
             s.grammar.consume(emitted[kept:])
         hidden = verified.hidden[i : i + 1, : m + 1]
-        if W > 1:
+        if drafts.absorbed:
             s.owed = OwedPairs(hidden, emitted)
         elif s.tracks_head:
             s.owed.append(hidden, emitted)
         s.primary = emitted[-1]
         s.stats.backbone_passes += 1
-        s.stats.record_round(verified.drafts.depths[i], m)
+        source = drafts.sources[i] if drafts.sources is not None else ""
+        if source:
+            s.stats.record_certain(source, drafts.depths[i], m)
+            if source == "copy":
+                s.copy_cap.observe(drafts.depths[i], m)
+        else:
+            s.stats.record_round(drafts.depths[i], m)

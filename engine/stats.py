@@ -15,6 +15,10 @@ class DecodeStats:
     backbone_passes: int = 0  # decode-time backbone forwards (prefill excluded)
     drafted: List[int] = field(default_factory=list)  # per draft position
     accepted: List[int] = field(default_factory=list)  # per draft position
+    copy_drafted: int = 0  # tokens drafted by copying from the context (engine/context_drafts.py)
+    copy_accepted: int = 0
+    forced_drafted: int = 0  # tokens drafted because the output's grammar admits nothing else
+    forced_accepted: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -26,6 +30,11 @@ class DecodeStats:
             self.drafted[j] += 1
             if j < accepted:
                 self.accepted[j] += 1
+
+    def record_certain(self, source: str, drafted: int, accepted: int) -> None:
+        """A round whose drafts were copied ("copy") or forced by the grammar ("forced")."""
+        setattr(self, source + "_drafted", getattr(self, source + "_drafted") + drafted)
+        setattr(self, source + "_accepted", getattr(self, source + "_accepted") + accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -50,6 +59,10 @@ class DecodeStats:
             "accepted_per_position": list(self.accepted),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted, self.drafted)],
+            "copy_drafted": self.copy_drafted,
+            "copy_accepted": self.copy_accepted,
+            "forced_drafted": self.forced_drafted,
+            "forced_accepted": self.forced_accepted,
             "tokens_per_pass": round(self.tokens_per_pass, 4),
             "prefill_tok_s": round(prefilled / self.prefill_s, 2) if self.prefill_s else 0.0,
             "decode_tok_s": round(self.generated_tokens / self.decode_s, 2) if self.decode_s else 0.0,

@@ -44,6 +44,10 @@ class Metrics:
         self.active = Gauge("mtp_active_sequences", "Sequences the engine is decoding", registry=r)
         self.drafted = Counter("mtp_draft_tokens", "MTP draft tokens proposed, per draft position", ["position"], registry=r)
         self.accepted = Counter("mtp_accepted_tokens", "MTP draft tokens accepted, per draft position", ["position"], registry=r)
+        self.certain_drafted = Counter("mtp_certain_draft_tokens", "Draft tokens that came with certainty, by source: "
+                                       "copied from the request's own context, or forced by its grammar", ["source"],
+                                       registry=r)
+        self.certain_accepted = Counter("mtp_certain_accepted_tokens", "Those accepted, by source", ["source"], registry=r)
         if engine is not None:
             self.queue_depth.set_function(lambda: engine.queue_depth)
             self.active.set_function(lambda: engine.active_count)
@@ -69,6 +73,9 @@ class Metrics:
         for j, (d, a) in enumerate(zip(stats.drafted, stats.accepted)):
             self.drafted.labels(str(j + 1)).inc(d)
             self.accepted.labels(str(j + 1)).inc(a)
+        for source in ("copy", "forced"):
+            self.certain_drafted.labels(source).inc(getattr(stats, source + "_drafted"))
+            self.certain_accepted.labels(source).inc(getattr(stats, source + "_accepted"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -159,6 +166,8 @@ class PromptCacheCollector:
         yield per_tier(CounterMetricFamily("mtp_prompt_cache_reused_tokens", "Prompt tokens restored from snapshots, by tier",
                                            labels=["tier"]), "reused_{}")
         yield CounterMetricFamily("mtp_prompt_cache_stored", "Snapshots taken", value=s["stored"])
+        yield CounterMetricFamily("mtp_prompt_cache_failures", "Lookups and snapshots that raised (the request went on "
+                                  "without reuse; /v1/stats gives the last reason)", value=s["failures"])
         yield CounterMetricFamily("mtp_prompt_cache_snapshot_seconds", "Engine time spent taking snapshots (copies, "
                                   "bookkeeping, queueing disk writes)", value=s["snapshot_s"])
         yield per_tier(GaugeMetricFamily("mtp_prompt_cache_snapshots", "Snapshots held, by tier", labels=["tier"]), "snapshots_{}")

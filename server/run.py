@@ -40,7 +40,7 @@ log = logging.getLogger("mtp_serve.server")
 THINK_CLOSE = "\n</think>\n\n"
 REASONING_ENDS = ("</think>", "<tool_call>")  # what ends reasoning (see parsers/reasoning.py)
 SPECULATIVE_KEYS = ("depth", "drafted", "accepted", "acceptance_rate", "drafted_per_position", "accepted_per_position",
-                    "tokens_per_pass")
+                    "copy_drafted", "copy_accepted", "forced_drafted", "forced_accepted", "tokens_per_pass")
 
 
 @dataclass
@@ -298,6 +298,8 @@ def merge_stats(first, second, inserted: int):
         backbone_passes=first.backbone_passes + second.backbone_passes,
         drafted=[a + b for a, b in zip(pad(first.drafted), pad(second.drafted))],
         accepted=[a + b for a, b in zip(pad(first.accepted), pad(second.accepted))],
+        **{k: getattr(first, k) + getattr(second, k) for k in ("copy_drafted", "copy_accepted", "forced_drafted",
+                                                               "forced_accepted")},
         prefill_s=first.prefill_s + second.prefill_s,
         decode_s=first.decode_s + second.decode_s,
     )

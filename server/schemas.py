@@ -85,6 +85,13 @@ class ResponseFormat(BaseModel):
     type: str
 
 
+class SpeculativeOptions(BaseModel):
+    """`speculative`: how a request's speculation may draft (an mtp-serve extension)."""
+
+    model_config = ConfigDict(extra="forbid", **STRICT)
+    copy_: Optional[bool] = Field(default=None, alias="copy")  # drafts copied from the context; None: on
+
+
 class SamplingFields(_Request):
     """The sampling fields every API accepts (Messages and Responses take the ones their
     own API lacks as mtp-serve extras, in `extra_body`). One declaration: `Service.start`
@@ -100,6 +107,7 @@ class SamplingFields(_Request):
     seed: Optional[Seed] = None
     ignore_eos: bool = False
     mtp_depth: Optional[int] = Field(default=None, ge=0, le=8)  # MTP drafts per round; 0: off
+    speculative: Optional[SpeculativeOptions] = None  # {"copy": false}: no drafts copied from the context
     # reasoning tokens before the server closes the think block (vLLM's name; Messages: thinking.budget_tokens)
     thinking_token_budget: Optional[int] = Field(default=None, ge=1)
     json_schema_mode: Optional[Literal["strict", "relaxed"]] = None  # None: the server's --json-schema-mode

@@ -19,7 +19,8 @@ from typing import List, Optional
 from mtp_serve.engine.engine_loop import EngineLoop, RequestHandle
 from mtp_serve.engine.grammar import Constraint, GrammarError
 from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.prompt_cache import open_prompt_cache
+from mtp_serve.engine.context_drafts import MAX_COPY
+from mtp_serve.engine.prompt_cache import PromptCacheUnavailable, open_prompt_cache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.caches import KVSetting
 from mtp_serve.models.mlx_lm_compat import hf_tokenizer
@@ -46,6 +47,7 @@ class ServerConfig:
     prefill_chunk: int = 512
     mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
     fixed_depth: bool = False  # draft exactly mtp_depth every round instead
+    copy_max: int = MAX_COPY  # --copy-drafts: most tokens a row copies from its context per round; 0: none
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
@@ -54,6 +56,7 @@ class ServerConfig:
     prompt_cache_interval: Optional[int] = None  # tokens between snapshots inside long messages; None: per model; 0: none
     prompt_cache_dir: Optional[str] = None  # the disk tier's folder (None: memory only)
     prompt_cache_disk_bytes: Optional[int] = None  # None: half the free space, at most 16 GiB
+    prompt_cache_off: Optional[str] = None  # why the prompt cache is off where the server turned it off itself
     kv_bits: Optional[int] = None  # attention KV quantized to 8 or 4 bits (--kv-bits); None: the compute dtype
     kv_group_size: int = 64  # --kv-group-size: values per scale and bias along the head dimension
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
@@ -100,12 +103,11 @@ class Service:
         self.eos_ids = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
         loaded.model.use_kv(KVSetting(config.kv_bits, config.kv_group_size))  # before any cache is made
-        prompt_cache = open_prompt_cache(loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
-                                         interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
-                                         disk_bytes=config.prompt_cache_disk_bytes)
+        prompt_cache = self._open_prompt_cache()
         self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                      prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
-                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth))
+                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth),
+                                     copy_max=config.copy_max)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,
@@ -116,6 +118,25 @@ class Service:
         # (tokenizers releases the GIL), so one huge request cannot hold up the others.
         self.cpu = ThreadPoolExecutor(max(1, config.tokenizer_threads), thread_name_prefix="mtp-tokenize")
         self.created = int(time.time())
+
+    def _open_prompt_cache(self):
+        """The prompt cache, or None with `prompt_cache_off` saying why (start-up line and /v1/stats)."""
+        config = self.config
+        self.prompt_cache_off = config.prompt_cache_off
+        if self.prompt_cache_off is None and config.prompt_cache_bytes == 0:
+            self.prompt_cache_off = "turned off (--prompt-cache-bytes 0)"
+        if self.prompt_cache_off is None:
+            try:
+                cache = open_prompt_cache(self.loaded, config.served_model_name, max_bytes=config.prompt_cache_bytes,
+                                          interval=config.prompt_cache_interval, disk_dir=config.prompt_cache_dir,
+                                          disk_bytes=config.prompt_cache_disk_bytes)
+                if cache is not None:
+                    return cache
+                self.prompt_cache_off = "no memory was available for it at start-up"
+            except PromptCacheUnavailable as e:
+                self.prompt_cache_off = f"this model's caches cannot be reused: {e}"
+        (log.warning if config.prompt_cache_bytes != 0 else log.info)("prompt cache: off: %s", self.prompt_cache_off)
+        return None
 
     # -- checks
 
@@ -188,6 +209,7 @@ class Service:
                 ignore_eos=fields.ignore_eos,
                 logprobs=logprobs,
                 constraint=prompt.engine_constraint,
+                copy_drafts=fields.speculative is None or fields.speculative.copy_ is not False,
             )
         except ValueError as e:
             raise bad_request(str(e)) from e

@@ -15,13 +15,17 @@ since start-up; a chart turns two polls into a rate, as Prometheus's `rate()` do
      "policy": {"acceptance_per_position": [0.88, 0.81, 0.74]},
      "totals": {"requests": 12, "prompt_tokens": ..., "cached_prompt_tokens": ..., "completion_tokens": ...,
                 "backbone_passes": ..., "drafted_per_position": [...], "accepted_per_position": [...],
+                "drafted_by_source": {"mtp": ..., "copy": ..., "forced": ...}, "accepted_by_source": {...},
                 "max_tokens_lowered": 0},
-     "prompt_cache": {"enabled": true, "bytes": {"ram": ..., "disk": ...}, "budget_bytes": {...}, "snapshots": {...},
+     "prompt_cache": {"enabled": true, "off_reason": null, "failures": 0, "last_failure": null,
+                      "bytes": {"ram": ..., "disk": ...}, "budget_bytes": {...}, "snapshots": {...},
                       "hits": {...}, "misses": 3, "reused_tokens": {...}, "stored": 9, "evictions": {...}}}
 
 `decode` describes the rows running now (each row's figures since its decode began,
 pooled over rows; empty lists and zeros when idle); `policy` the depth policy's
-model-wide moving average; `totals` finished requests.
+model-wide moving average; `totals` finished requests. `prompt_cache.off_reason` says why a
+server runs without one (turned off, serving across ranks, or a model whose caches failed the
+start-up snapshot-and-restore check); `last_failure` what the last failed lookup or snapshot raised.
 """
 
 from __future__ import annotations
@@ -79,13 +83,20 @@ class Stats(BaseModel):
     prompt_cache: dict
 
 
-def stats_body(samples: Samples, model: str, mtp_status: Optional[str]) -> dict:
+def stats_body(samples: Samples, model: str, mtp_status: Optional[str], prompt_cache_off: Optional[str] = None,
+               prompt_cache_failure: Optional[str] = None) -> dict:
+    """`prompt_cache_off`: why the server runs without a prompt cache; `prompt_cache_failure`:
+    what the last failed lookup or snapshot raised."""
     one = lambda name: _int(_one(samples, name))  # noqa: E731
     rows = _by(samples, "mtp_row_depth", "row")
     tiers = sorted(_by(samples, "mtp_prompt_cache_bytes", "tier"))
 
     def per_tier(name):
         return {t: _int(v) for t, v in sorted(_by(samples, name, "tier").items())}
+
+    def per_source(name):
+        by = _by(samples, name, "source")
+        return {s: _int(by.get(s, 0)) for s in ("copy", "forced")}
 
     return {
         "object": "stats",
@@ -114,10 +125,17 @@ def stats_body(samples: Samples, model: str, mtp_status: Optional[str]) -> dict:
             "backbone_passes": one("mtp_backbone_passes_total"),
             "drafted_per_position": [_int(v) for v in _positions(samples, "mtp_draft_tokens_total")],
             "accepted_per_position": [_int(v) for v in _positions(samples, "mtp_accepted_tokens_total")],
+            "drafted_by_source": {"mtp": _int(sum(_positions(samples, "mtp_draft_tokens_total"))),
+                                  **per_source("mtp_certain_draft_tokens_total")},
+            "accepted_by_source": {"mtp": _int(sum(_positions(samples, "mtp_accepted_tokens_total"))),
+                                   **per_source("mtp_certain_accepted_tokens_total")},
             "max_tokens_lowered": one("mtp_max_tokens_lowered_total"),
         },
         "prompt_cache": {
             "enabled": bool(tiers),
+            "off_reason": prompt_cache_off,
+            "failures": one("mtp_prompt_cache_failures_total"),
+            "last_failure": prompt_cache_failure,
             "bytes": per_tier("mtp_prompt_cache_bytes"),
             "budget_bytes": per_tier("mtp_prompt_cache_budget_bytes"),
             "snapshots": per_tier("mtp_prompt_cache_snapshots"),
@@ -135,4 +153,6 @@ async def stats(request: Request):
     """The server's live figures (decode speed, tokens per pass, acceptance per draft position, the
     depth per row, the batch, the prompt cache): the numbers `/metrics` exports, as one JSON object."""
     svc = request.app.state.service
-    return stats_body(registry_samples(svc.metrics.registry), svc.config.served_model_name, svc.loaded.mtp_status)
+    cache = svc.engine.prompt_cache
+    return stats_body(registry_samples(svc.metrics.registry), svc.config.served_model_name, svc.loaded.mtp_status,
+                      svc.prompt_cache_off, cache.last_failure if cache is not None else None)

@@ -7,7 +7,8 @@ which the server lowers to what the context leaves; Codex sends none).
 
 Contexts: the demo model's default (32,768) and `--max-context 16384`. opencode runs on the
 demo model itself, as the README's `mtp-serve --enable-mtp` serves it. Every agent also runs on
-a small synthetic model whose few likely tokens include EOS: the demo model's sampled replies to
+a small synthetic model whose few likely tokens include EOS (and on the same model as a
+vision-language checkpoint, the form real Qwen3.5/3.6 checkpoints ship in): the demo model's sampled replies to
 an agent's prompt run to thousands of tokens (minutes a turn on 2 cores), the synthetic one's end
 after a handful, so a turn costs little more than its prefill. Its tokenizer makes the agents'
 prompts about 12k (opencode), 13-17k (Claude Code) and 20k (Codex) tokens: a prompt that does
@@ -202,6 +203,17 @@ def synthetic_server(request, checkpoint_dir):
 
 
 @pytest.fixture(scope="module")
+def vision_language_server(checkpoint_dir):
+    """The synthetic model as a vision-language checkpoint (Qwen3_5ForConditionalGeneration with a
+    vision tower), the form real Qwen3.5/3.6 checkpoints ship in."""
+    s = serve(checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True, vision=True), served_model_name="demo",
+              mtp_depth=2, max_context=DEMO_CONTEXT)
+    assert s.service.loaded.model.vision is not None
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
 def demo_server():
     from mtp_serve.models.demo_model import default_model_path
 
@@ -229,6 +241,12 @@ def run_agent(name: str, server, tmp_path) -> None:
 @pytest.mark.parametrize("name", list(AGENTS))
 def test_agent_two_turns_synthetic(name, synthetic_server, tmp_path):
     run_agent(name, synthetic_server, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(AGENTS))
+def test_agent_two_turns_vision_language(name, vision_language_server, tmp_path):
+    """The second turn reuses the first's prefix on a vision-language checkpoint too."""
+    run_agent(name, vision_language_server, tmp_path)
 
 
 def test_opencode_two_turns_demo_model(demo_server, tmp_path):

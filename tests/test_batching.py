@@ -4,6 +4,7 @@ single-stream output, whatever shares its batch and whenever it arrives."""
 import pytest
 from scipy.stats import chi2_contingency
 
+from mtp_serve.engine.context_drafts import MAX_COPY
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.sampling import SamplingParams
@@ -19,10 +20,11 @@ def single_stream(lm, prompt, params, depth):
     return toks, text, finish
 
 
-def drive(lm, requests, depth, *, arrivals=None, cancel=None, max_batch=8, prefill_chunk=4, policy=None):
+def drive(lm, requests, depth, *, arrivals=None, cancel=None, max_batch=8, prefill_chunk=4, policy=None,
+          copy_max=MAX_COPY):
     """requests: {key: (prompt, params)}; arrivals: {key: step}; cancel: {key: step}."""
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=max_batch, prefill_chunk=prefill_chunk,
-                      policy=policy or DepthPolicy(max_depth=depth, fixed=True))
+                      policy=policy or DepthPolicy(max_depth=depth, fixed=True), copy_max=copy_max)
     arrivals = arrivals or {k: 0 for k in requests}
     cancel = cancel or {}
     out = {k: ([], "", None) for k in requests}
@@ -74,12 +76,14 @@ def test_batched_greedy_equals_single_stream(depth, loaded):
 
 def test_rows_draft_their_own_depths_in_one_batch(loaded):
     """Rows asking depths 0, 1, 2 and 3 share every round (the window is 4 wide):
-    each row's output is its single-stream output, and its stats count its own drafts."""
+    each row's output is its single-stream output, and its stats count its own drafts
+    (the head's drafts alone: no copies from the context)."""
     lm = loaded("qwen3_5", agreeable=True)
     depths = {"d0": 0, "d1": 1, "d2": 2, "d3": 3}
     prompts = {"d0": [3, 4, 5], "d1": list(range(40, 60)), "d2": [9] * 12, "d3": [100, 101, 7]}
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=8, prefill_chunk=64, policy=DepthPolicy(max_depth=3, fixed=True))
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=8, prefill_chunk=64, policy=DepthPolicy(max_depth=3, fixed=True),
+                      copy_max=0)
     for k, p in prompts.items():
         sched.add(k, p, params, depths[k])
     out, stats, windows, rounds = {k: [] for k in prompts}, {}, set(), {k: [] for k in prompts}
@@ -108,7 +112,7 @@ def test_rows_draft_their_own_depths_in_one_batch(loaded):
 
 def single_stream_stats(lm, prompt, params, depth):
     toks, stats = [], None
-    for c in generate(lm.model, lm.tokenizer, prompt, params, depth):
+    for c in generate(lm.model, lm.tokenizer, prompt, params, depth, copy_max=0):
         toks += c.token_ids
         stats = c.stats
     return toks, stats
@@ -150,7 +154,7 @@ def test_adaptive_policy_explores_and_stays_exact(loaded):
     lm = loaded("qwen3_5", agreeable=True)
     reqs = {k: ([k * 3 + 1, k * 3 + 2], SamplingParams(max_tokens=40, ignore_eos=True)) for k in range(4)}
     policy = DepthPolicy(max_depth=3)
-    out, _, _ = drive(lm, reqs, 3, policy=policy)
+    out, _, _ = drive(lm, reqs, 3, policy=policy, copy_max=0)  # the head's window costs are what it explores
     for k, (p, params) in reqs.items():
         assert out[k][0] == single_stream(lm, p, params, 3)[0]
     tried = {k for (_, k) in policy.samples}

@@ -87,12 +87,12 @@ def test_no_row_drafts_past_its_max_tokens(demo_model, monkeypatch):
     seen = []
     real_draft = speculative.draft
 
-    def draft(model, batch, depths):
+    def draft(model, batch, depths, certain=None):
         seen.extend((s.key, s.tokens_left, d) for s, d in zip(batch.rows, depths))
-        return real_draft(model, batch, depths)
+        return real_draft(model, batch, depths, certain)
 
     monkeypatch.setattr(speculative, "draft", draft)
-    sched = Scheduler(lm.model, lm.tokenizer, policy=DepthPolicy(max_depth=4, fixed=True))
+    sched = Scheduler(lm.model, lm.tokenizer, policy=DepthPolicy(max_depth=4, fixed=True), copy_max=0)
     limits = {"a": 3, "b": 7, "c": 40}
     for key, n in limits.items():
         sched.add(key, lm.tokenizer.encode("def main(argv):\n    "), SamplingParams(max_tokens=n, ignore_eos=True), 4)
@@ -115,8 +115,8 @@ def test_scheduler_sends_a_row_with_wrong_drafts_to_depth_zero(demo_model, monke
     never = lm.tokenizer.convert_tokens_to_ids("<tool_response>")
     real_draft = speculative.draft
 
-    def draft(model, batch, depths):
-        drafts = real_draft(model, batch, depths)
+    def draft(model, batch, depths, certain=None):
+        drafts = real_draft(model, batch, depths, certain)
         bad = [i for i, s in enumerate(batch.rows) if s.key == "bad" and depths[i]]
         if bad:
             drafts.tokens[bad[0]] = never
@@ -129,7 +129,7 @@ def test_scheduler_sends_a_row_with_wrong_drafts_to_depth_zero(demo_model, monke
             super().observe(rows, depths, accepted, COST[max(depths)])
 
     monkeypatch.setattr(speculative, "draft", draft)
-    sched = Scheduler(lm.model, lm.tokenizer, policy=ModelledCosts(max_depth=2))
+    sched = Scheduler(lm.model, lm.tokenizer, policy=ModelledCosts(max_depth=2), copy_max=0)  # the head's drafts alone
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     prompts = {"a": "import os\nimport sys\n\ndef main(argv):\n    ", "b": "class Stack:\n    def __init__(self):\n",
                "bad": "def read_config(path):\n    with open(path) as f:\n"}

@@ -64,7 +64,9 @@ def test_schema(live):
     assert set(body["engine"]) == {"queue_depth", "active_sequences", "running_sequences", "batch_capacity", "decode_rounds"}
     assert set(body["decode"]) == {"tokens_per_second", "tokens_per_pass", "acceptance_per_position", "row_depths"}
     assert set(body["totals"]) == {"requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "backbone_passes",
-                                   "drafted_per_position", "accepted_per_position", "max_tokens_lowered"}
+                                   "drafted_per_position", "accepted_per_position", "drafted_by_source",
+                                   "accepted_by_source", "max_tokens_lowered"}
+    assert set(body["totals"]["accepted_by_source"]) == {"mtp", "copy", "forced"}
     pc = body["prompt_cache"]
     assert pc["enabled"] and set(pc["bytes"]) == {"ram", "disk"}
     for key in ("bytes", "budget_bytes", "snapshots", "hits", "reused_tokens", "evictions"):

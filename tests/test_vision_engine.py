@@ -253,3 +253,23 @@ def test_the_tower_in_pieces_gives_the_same_features(vlm, pictures):
     for im in pictures.values():
         *pieces, features = vision.encode_steps(im, blocks_per_step=1)
         assert pieces == [None] and mx.array_equal(features, vision.encode([im])[0])
+
+
+def test_copies_from_the_context_with_an_image_in_the_prompt(vlm, pictures):
+    """Drafts copied from the context run their windows at the image prompt's M-RoPE positions:
+    the output equals plain decoding's, with copies landing."""
+    a = pictures["a"]
+    prompt = image_prompt(vlm, [a])
+    follows = generate_plain(vlm, prompt, (a,), 24)
+    prompt = prompt + follows + list(prompt[-4:])  # what followed the prompt's end is in the context now
+    ref = generate_plain(vlm, prompt, (a,), 40)
+    ours, stats = run(vlm, prompt, (a,), 2, max_tokens=40)
+    assert ours == ref and stats.copy_accepted > 0, stats
+
+
+def generate_plain(lm, prompt, images, n):
+    out = []
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True), 0, images=images,
+                          copy_max=0):
+        out += chunk.token_ids
+    return out

@@ -96,6 +96,7 @@ def test_demo_model_chat_charts_and_side_by_side(browser, demo):
     points = page.evaluate("Object.fromEntries(Object.entries(window.mtpPage.charts).map(([k, c]) => [k, c.points]))")
     assert all(n > 0 for n in points.values()), points
     assert "completion tokens" in page.inner_text("#totals")
+    assert "accepted by source" in page.inner_text("#totals")  # head, copied, grammar-forced
 
     # Side by side: the same prompt greedy with MTP off and on gives the same text.
     page.fill("#prompt", "import os\n\ndef read(path):")

@@ -72,7 +72,8 @@ class PromptCache:
         self.own_bytes = 0
         self._clock = itertools.count(1)
         self.counts = {"hits_ram": 0, "hits_disk": 0, "misses": 0, "reused_ram": 0, "reused_disk": 0,
-                       "stored": 0, "evictions_ram": 0, "snapshot_s": 0.0}
+                       "stored": 0, "evictions_ram": 0, "snapshot_s": 0.0, "failures": 0}
+        self.last_failure: Optional[str] = None  # what the last failed lookup or snapshot raised
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -193,6 +194,12 @@ class PromptCache:
             victim = min(self.by_key.values(), key=lambda s: (self._shared(s), s.last_used))
             self._remove(victim)
             self.counts["evictions_ram"] += 1
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """A lookup or snapshot raised (the request went on without reuse): counted, and the
+        reason kept for /v1/stats."""
+        self.counts["failures"] += 1
+        self.last_failure = f"{what}: {type(error).__name__}: {error}"
 
     # -- reporting and shutdown
 

@@ -24,7 +24,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -32,6 +32,7 @@ from mtp_serve.models.caches import kv_length, kv_nbytes
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
 
+from ..sequence import RowCaches
 from .cache import PromptCache
 from .disk import DiskTier
 
@@ -64,20 +65,49 @@ class SnapshotCosts:
     dtype: str  # of the cached state
 
 
-def snapshot_costs(model) -> SnapshotCosts:
-    """Measured on a two-token forward."""
+class PromptCacheUnavailable(RuntimeError):
+    """The prompt cache cannot serve this model (the message says why)."""
+
+
+def _probe(model) -> Tuple[RowCaches, mx.array]:
+    """Caches holding a two-token prompt, the head's first pair included, and the owed hidden."""
     caches = model.make_cache()
     hidden, _ = model.forward(mx.array([[1, 2]]), caches)
     head = model.make_head_cache() if model.has_mtp else None
     if head is not None:
         model.draft(hidden[:, :1], mx.array([[2]]), head)
+    return RowCaches(caches, head), hidden[:, 1:]
+
+
+def snapshot_costs(model) -> SnapshotCosts:
+    """Measured on a two-token forward."""
+    probe, owed = _probe(model)
     state, per_token = 0, 0
-    for c in caches + ([head] if head is not None else []):
+    for c in probe.backbone + ([probe.head] if probe.head is not None else []):
         if hasattr(c, "keys"):
             per_token += (kv_nbytes(c.keys) + kv_nbytes(c.values)) // kv_length(c.keys)
         else:
             state += sum(a.nbytes for a in c.cache)
-    return SnapshotCosts(state, per_token, str(hidden.dtype))
+    return SnapshotCosts(state, per_token, str(owed.dtype))
+
+
+def check_round_trip(model) -> None:
+    """Snapshot a two-token prompt and restore it for a three-token one, as a request would:
+    raises PromptCacheUnavailable, naming the step and the error, where this model's caches
+    cannot be snapshot or restored (a cache that would never hit is refused at start-up,
+    not discovered one request at a time)."""
+    probe, owed = _probe(model)
+    trial = PromptCache(max_bytes=1 << 30, kv=model.kv)
+    try:
+        trial.store([1, 2], probe, owed)
+    except Exception as e:  # noqa: BLE001 - reported as the reason the cache is off
+        raise PromptCacheUnavailable(f"a snapshot of this model's caches failed ({type(e).__name__}: {e})") from e
+    try:
+        hit = trial.restore([1, 2, 3], needs_head=model.has_mtp)
+    except Exception as e:  # noqa: BLE001
+        raise PromptCacheUnavailable(f"restoring a snapshot of this model's caches failed ({type(e).__name__}: {e})") from e
+    if hit is None or hit.n != 2:
+        raise PromptCacheUnavailable("a stored two-token prompt was not found again for its three-token extension")
 
 
 def auto_interval(costs: SnapshotCosts) -> int:
@@ -95,12 +125,14 @@ def default_disk_bytes(folder: Path) -> int:
 def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, interval: Optional[int] = None,
                       disk_dir: Optional[str] = None, disk_bytes: Optional[int] = None) -> Optional[PromptCache]:
     """The server's prompt cache (None when `max_bytes` is 0). Raises OSError when the
-    disk folder cannot be created."""
+    disk folder cannot be created, PromptCacheUnavailable when this model's caches cannot be
+    snapshot and restored."""
     if max_bytes is None:
         max_bytes = int(available_memory() * MEMORY_SHARE)
     if max_bytes <= 0:
         return None
     model = loaded.model
+    check_round_trip(model)
     costs = snapshot_costs(model)
     if interval is None:
         interval = auto_interval(costs)

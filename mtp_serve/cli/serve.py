@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
                    "each request's depth is chosen up to it from measured costs and its own acceptance")
     p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--copy-drafts", type=int, default=32, metavar="N",
+                   help="with MTP on, also draft up to N tokens a round copied from the request's own prompt and output "
+                        "where its latest tokens occurred before (exact like every draft; 0: off; a request's "
+                        "\"speculative\": {\"copy\": false} turns it off for that request)")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
                    "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--host", default="127.0.0.1")
@@ -135,6 +139,8 @@ def main(argv=None) -> int:
         return error(f"--{small[0].replace('_', '-')} must be at least 1")
     if args.prompt_cache_interval is not None and args.prompt_cache_interval < 0:
         return error("--prompt-cache-interval must be 0 or more")
+    if args.copy_drafts < 0:
+        return error("--copy-drafts must be 0 or more")
     if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
         return error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
     if args.prompt_cache_dir:
@@ -216,6 +222,7 @@ def main(argv=None) -> int:
         prefill_chunk=args.prefill_chunk,
         mtp_depth=depth,
         fixed_depth=args.fixed_depth,
+        copy_max=args.copy_drafts,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
@@ -223,6 +230,7 @@ def main(argv=None) -> int:
         prompt_cache_interval=args.prompt_cache_interval,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+        prompt_cache_off=ranks.PROMPT_CACHE_OFF if group is not None else None,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         sampling_defaults=generation_defaults(loaded.path),

@@ -76,6 +76,7 @@ const charts = {
   tokS: new LineChart($("chart-tok-s")),
   perPass: new LineChart($("chart-per-pass")),
   acceptance: new LineChart($("chart-acceptance"), {max: 1}),
+  sources: new LineChart($("chart-sources")),
   depth: new LineChart($("chart-depth"), {step: true, format: (v) => v.toFixed(0)}),
   batch: new LineChart($("chart-batch"), {step: true, format: (v) => v.toFixed(0)}),
   cacheBytes: new LineChart($("chart-cache-bytes"), {format: bytesFmt}),
@@ -107,6 +108,8 @@ function onStats(s) {
     "finished requests": dPasses > 0 ? dTokens / dPasses : null,
   });
   charts.acceptance.push(t, named("pos ", s.policy.acceptance_per_position));
+  charts.sources.push(t, Object.fromEntries(Object.keys(s.totals.accepted_by_source || {}).map(
+    (k) => [k === "mtp" ? "MTP head" : k === "copy" ? "copied" : "grammar-forced", rate(s, prev, (x) => x.totals.accepted_by_source[k])])));
   const depths = {};
   for (let r = 0; r < s.engine.batch_capacity; r++) depths[`row ${r}`] = s.decode.row_depths[r] ?? null;
   // only rows that ever ran get a series
@@ -147,6 +150,8 @@ function renderTotals(s) {
     ["prompt tokens (of them from the cache)", `${tot.prompt_tokens} (${tot.cached_prompt_tokens})`],
     ["backbone passes / tokens per pass", `${tot.backbone_passes} / ${tot.backbone_passes ? (tot.completion_tokens / tot.backbone_passes).toFixed(2) : "-"}`],
     ["acceptance per draft position (finished requests)", acc || "-"],
+    ["drafted / accepted by source: head, copied, grammar-forced",
+     ["mtp", "copy", "forced"].map((k) => `${(tot.drafted_by_source || {})[k] ?? 0} / ${(tot.accepted_by_source || {})[k] ?? 0}`).join(", ")],
     ["decode rounds", s.engine.decode_rounds],
   ];
   if (pc.enabled) {
@@ -154,7 +159,7 @@ function renderTotals(s) {
     rows.push(["prompt cache bytes / budget", tiers.map((t) => `${t} ${bytesFmt(pc.bytes[t])} / ${bytesFmt(pc.budget_bytes[t])}`).join(", ")]);
     rows.push(["prompt cache snapshots, hits, reused tokens", tiers.map((t) => `${t} ${pc.snapshots[t]}, ${pc.hits[t]}, ${pc.reused_tokens[t]}`).join("; ")]);
   } else {
-    rows.push(["prompt cache", "off"]);
+    rows.push(["prompt cache", pc.off_reason ? `off: ${pc.off_reason}` : "off"]);
   }
   const table = $("totals");
   table.replaceChildren(...rows.map(([k, v]) => {

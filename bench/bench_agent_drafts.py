@@ -1,0 +1,239 @@
+"""Agent turns replayed: plain decoding, MTP alone, copy drafts alone and all sources, side by side.
+
+    python bench/bench_agent_drafts.py [--models 0.8b 0.8b-q4 2b demo] [--contexts 2048 8192 24576]
+                                       [--traces write edit tools free] [--tokens 160] [--repeats 2]
+
+Traces of coding-agent turns built from real source files (Python's own standard library,
+which the demo model never saw): a context of files (cut or padded with more files to the
+context length), then the reply the agent writes:
+- write: one of the files rewritten whole with a one-line edit (the write tool);
+- edit: `oldString` / `newString` calls quoting a few lines of a file and changing one (the edit tool);
+- tools: tool calls naming paths and identifiers from the context, between short new sentences;
+- free: new prose, nothing of it in the context.
+
+Replayed teacher-forced on the real engine (`Scheduler`): the verify windows, the head's drafts,
+the copy index and the commits are the server's own; which drafts are accepted is decided by the
+trace (a benchmark-only wrapper around the round's accept step: a draft lands while it equals the
+trace, and the trace's next token is emitted), and the head's drafts become the trace's tokens with
+probability 0.8 (bench_acceptance_speed's oracle), as in bench_quantized. The context is prefilled
+once per (model, trace, length) and restored from a prompt cache for each mode.
+
+Columns: decode tokens/s per mode (after the first token), each mode's ratio to plain and
+to MTP alone, tokens per round with all sources, and the share of emitted tokens each source
+drafted. Random-weight models have Qwen3.5's 0.8B / 2B shapes and vocabulary (fp32, or a 4-bit
+body with `-q4`); the traces' token ids come from the demo model's tokenizer (all below 4,096).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import random
+from contextlib import contextmanager
+
+from common import pc  # noqa: I001  (first: sets up the backend, OpenBLAS, before mlx.core is imported)
+
+import mlx.core as mx
+
+import mtp_serve.engine.speculative as speculative
+from bench_acceptance_speed import SHAPES, oracle_drafts
+from cost_model import QWEN35_VOCAB, random_mtp_model
+from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.prompt_cache import PromptCache
+from mtp_serve.engine.sampling import SamplingParams
+from mtp_serve.engine.scheduler import Scheduler
+from mtp_serve.engine.speculative import Accepted
+
+MODES = ("plain", "mtp", "copy", "all")
+DEPTH = 3
+ACCEPTANCE = 0.8
+
+
+# ---------------------------------------------------------------- traces
+
+
+def source_files() -> list:
+    import calendar, difflib, fractions, heapq, json.decoder, shlex, textwrap, tokenize  # noqa: E401
+
+    modules = (textwrap, shlex, json.decoder, heapq, fractions, difflib, calendar, tokenize, argparse, inspect)
+    return [(m.__name__, inspect.getsource(m)) for m in modules]
+
+
+def build_trace(kind: str, encode, context_tokens: int, rng: random.Random) -> tuple:
+    """(context ids, reply ids) for one trace kind at about `context_tokens` of context."""
+    files = source_files()
+    context, used = [], []
+    for name, text in files:
+        ids = encode(f"<file path=\"lib/{name.replace('.', '/')}.py\">\n{text}\n</file>\n")
+        if len(context) + len(ids) > context_tokens and used:
+            break
+        context += ids[: context_tokens - len(context)]
+        used.append((name, text))
+    name, text = used[-2] if len(used) > 1 else used[-1]  # a file wholly inside the context
+    lines = text.splitlines()
+    if kind == "write":
+        k = rng.randrange(len(lines) // 4, len(lines) // 2)
+        edited = lines[:k] + [lines[k] + "  # checked"] + lines[k + 1:]
+        reply = "\n".join(edited[: min(len(edited), 160)])
+    elif kind == "edit":
+        calls = []
+        for _ in range(4):
+            k = rng.randrange(5, len(lines) - 6)
+            old = "\n".join(lines[k : k + 4])
+            new = "\n".join(lines[k : k + 2] + [lines[k + 2].replace("return", "return  ")] + lines[k + 3 : k + 4])
+            calls.append(f'{{"filePath": "lib/{name}.py", "oldString": {old!r}, "newString": {new!r}}}')
+        reply = "\n".join(calls)
+    elif kind == "tools":
+        idents = sorted({w for w in text.replace("(", " ").split() if w.isidentifier() and len(w) > 6})
+        paths = [f"lib/{n.replace('.', '/')}.py" for n, _ in used]
+        parts = []
+        for j in range(8):
+            parts.append(f"Next I look at {rng.choice(['the helper', 'its caller', 'the test', 'one more place'])}.")
+            parts.append(f'<tool_call>{{"name": "grep", "arguments": {{"pattern": "{rng.choice(idents)}", '
+                         f'"path": "{rng.choice(paths)}"}}}}</tool_call>')
+        reply = "\n".join(parts)
+    else:  # free text: nothing to copy
+        words = ("the server keeps each conversation warm so the next turn starts where the last one ended while "
+                 "drafts verified together make every step count for several tokens").split()
+        reply = " ".join(rng.choice(words) for _ in range(400))
+    return context, encode(reply)
+
+
+# ---------------------------------------------------------------- teacher-forced replay
+
+
+@contextmanager
+def forced_by(traces: dict):
+    """The round's accept step follows each row's trace (`traces[key]`: its whole reply)."""
+    real = speculative.accept
+
+    def accept(verified, rows):
+        drafts = verified.drafts
+        listed = drafts.tokens.tolist() if drafts.tokens is not None else [[] for _ in rows]
+        counts, tokens = [], []
+        for s, K, row in zip(rows, drafts.depths, listed):
+            ref = traces[s.key][len(s.committed):]
+            m = 0
+            while m < K and m < len(ref) - 1 and row[m] == ref[m]:
+                m += 1
+            counts.append(m)
+            tokens.append(row[:m] + [ref[m] if m < len(ref) else 0])
+        return Accepted(verified, counts, tokens)
+
+    speculative.accept = accept
+    try:
+        yield
+    finally:
+        speculative.accept = real
+
+
+def replay(lm, cache, context, reply, mode: str) -> dict:
+    """One teacher-forced decode of `reply` after `context`; the head's drafts at oracle acceptance."""
+    depth = 0 if mode == "plain" else DEPTH
+    policy = DepthPolicy(max_depth=DEPTH if mode in ("mtp", "all") else 0, fixed=True)
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=None, prompt_cache=cache, policy=policy,
+                      copy_max=32 if mode in ("copy", "all") else 0)
+    sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth)
+    trace: list = []  # the prefill's token (the model's own), then the reply
+    out, stats, first, last, n_first = [], None, None, None, 0
+    with forced_by({"r": trace}), oracle_drafts(trace, ACCEPTANCE, lm.model.vocab_size):
+        while sched.has_work():
+            for _, chunk in sched.step():
+                if not trace:
+                    trace += chunk.token_ids[:1] + reply
+                    first, n_first = pc(), len(chunk.token_ids)
+                last = pc()
+                out += chunk.token_ids
+                stats = chunk.stats
+    assert out == trace[: len(out)], "the replay left its trace"
+    n = len(out) - n_first
+    return {"tok_s": n / (last - first), "per_round": n / max(1, stats.backbone_passes), "emitted": n,
+            "mtp": sum(stats.accepted), "copy": stats.copy_accepted}
+
+
+# ---------------------------------------------------------------- models
+
+
+class Tok:
+    eos_token_ids: list = []
+
+    class detokenizer:  # noqa: N801 - mlx-lm's attribute name
+        text = ""
+
+        @staticmethod
+        def reset():
+            pass
+
+        @staticmethod
+        def add_token(t):
+            pass
+
+        @staticmethod
+        def finalize():
+            pass
+
+
+def load(name: str):
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.models.loader import load_model
+
+    demo = load_model(str(default_model_path()))
+    encode = lambda text: demo.tokenizer.encode(text)  # noqa: E731
+    if name == "demo":
+        return demo, encode
+    if name.endswith("-q4"):
+        from bench_quantized import quantized_model
+
+        model, _ = quantized_model(name[:-3], 4)
+    else:
+        model = random_mtp_model(SHAPES[name](QWEN35_VOCAB))
+    return type("LM", (), {"model": model, "tokenizer": Tok()})(), encode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["0.8b", "0.8b-q4", "demo"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 24576])
+    ap.add_argument("--traces", nargs="+", default=["write", "edit", "tools", "free"])
+    ap.add_argument("--tokens", type=int, default=160, help="reply tokens replayed per run")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating order (the best is kept)")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        lm, encode = load(name)
+        for ctx in args.contexts:
+            for kind in args.traces:
+                context, reply = build_trace(kind, encode, ctx, random.Random(ctx))
+                reply = reply[: args.tokens]
+                cache = PromptCache(max_bytes=8 << 30)
+                t0 = pc()
+                replay_with = lambda mode: replay(lm, cache, context, reply, mode)  # noqa: E731
+                replay_with("plain")  # prefill once (stored), trace the shapes
+                print(f"[{name} {ctx} {kind}] context {len(context)} tokens, reply {len(reply)}, "
+                      f"warm-up {pc() - t0:.0f}s", flush=True)
+                best = {}
+                for r in range(args.repeats):
+                    for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                        got = replay_with(mode)
+                        if mode not in best or got["tok_s"] > best[mode]["tok_s"]:
+                            best[mode] = got
+                a = best["all"]
+                row = dict(model=name, context=ctx, trace=kind, **{m: best[m]["tok_s"] for m in MODES},
+                           per_round=a["per_round"], share_copy=a["copy"] / a["emitted"], share_mtp=a["mtp"] / a["emitted"])
+                rows.append(row)
+                print(f"[{name} {ctx} {kind}] plain {row['plain']:.2f} tok/s | mtp {row['mtp'] / row['plain']:.2f}x | "
+                      f"copy {row['copy'] / row['plain']:.2f}x | all {row['all'] / row['plain']:.2f}x "
+                      f"({row['all'] / row['mtp']:.2f}x mtp) | {row['per_round']:.2f} tokens/round, "
+                      f"copied {row['share_copy']:.0%}, head {row['share_mtp']:.0%}", flush=True)
+        del lm
+        mx.clear_cache()
+    print("\n| model | context | trace | plain tok/s | MTP | copy | all | all / MTP | tokens/round | copied | head |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['context']} | {r['trace']} | {r['plain']:.2f} | {r['mtp'] / r['plain']:.2f}x | "
+              f"{r['copy'] / r['plain']:.2f}x | {r['all'] / r['plain']:.2f}x | {r['all'] / r['mtp']:.2f}x | "
+              f"{r['per_round']:.2f} | {r['share_copy']:.0%} | {r['share_mtp']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
