@@ -215,10 +215,10 @@ class Service:
             raise bad_request(str(e)) from e
         if options.reasoning_budget is None and fields.thinking_token_budget is not None:
             options = replace(options, reasoning_budget=fields.thinking_token_budget)
-        return Run(prompt, params, fields.mtp_depth if fields.mtp_depth is not None else self.config.mtp_depth, options,
-                   request, self.submit_ids, self.chat.output_parser, self.encode, self.metrics,
-                   started=getattr(request.state, "started", None) or time.perf_counter(),
-                   lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
+        run = Run(self, prompt, params, fields.mtp_depth if fields.mtp_depth is not None else self.config.mtp_depth,
+                  options, request, started=getattr(request.state, "started", None) or time.perf_counter(),
+                  lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
+        return run.submit()
 
     def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = (), images: tuple = ()) -> RequestHandle:
         """`images`: the prompt's PreparedImages, in order (their pad tokens are in `ids`)."""
