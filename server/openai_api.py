@@ -171,7 +171,7 @@ def include_usage(req) -> bool:
 
 def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
+    return svc.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
                            None if named else req.tool_choice, named, req.chat_template_kwargs,
                            output=constraints.requested(req, schema_mode(svc, req)), parallel_tool_calls=req.parallel_tool_calls,
                            schema_mode=schema_mode(svc, req), continue_final=req.continue_final_message)

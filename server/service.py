@@ -111,7 +111,7 @@ class Service:
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,
-                               check_constraint=self.check_constraint, vision=getattr(loaded.model, "vision", None),
+                               vision=getattr(loaded.model, "vision", None),
                                image_settings=config.images)
         self.metrics = Metrics(self.engine)
         # Prompts are checked, rendered and tokenized off the event loop, on a few threads
@@ -155,6 +155,14 @@ class Service:
             self.engine.check_constraint(c)
         except GrammarError as e:
             raise bad_request(str(e), "response_format", "invalid_constraint") from e
+
+    def render(self, *args, **kwargs) -> ChatPrompt:
+        """`ChatFormat.render`, then the engine's constraint compiled (a 400 naming the problem). Called
+        on the tokenizer threads (`run_cpu`), so the engine thread only copies the compiled matcher."""
+        prompt = self.chat.render(*args, **kwargs)
+        if prompt.engine_constraint is not None:
+            self.check_constraint(prompt.engine_constraint)
+        return prompt
 
     def check_prompt_bytes(self, n_bytes: int) -> None:
         """Before any rendering or tokenizing: no token holds more than `max_token_bytes`
