@@ -131,9 +131,10 @@ def replay(lm, cache, context, reply, mode: str) -> dict:
     """One teacher-forced decode of `reply` after `context`; the head's drafts at oracle acceptance."""
     depth = 0 if mode == "plain" else DEPTH
     policy = DepthPolicy(max_depth=DEPTH if mode in ("mtp", "all") else 0, fixed=True)
-    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=None, prompt_cache=cache, policy=policy,
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=1024, prompt_cache=cache, policy=policy,
                       copy_max=32 if mode in ("copy", "all") else 0)
-    sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth)
+    # A snapshot one token short of the context: every later replay restores it and prefills one token.
+    sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth, (len(context) - 1,))
     trace: list = []  # the prefill's token (the model's own), then the reply
     out, stats, first, last, n_first = [], None, None, None, 0
     with forced_by({"r": trace}), oracle_drafts(trace, ACCEPTANCE, lm.model.vocab_size):

@@ -7,8 +7,8 @@
     engine.cancel(handle)                                # e.g. the client went away
 
 Requests wait in a bounded queue (`QueueFull` when more than `max_queue` wait
-beyond the free batch slots) and join the `Scheduler` between turns (up to
-`max_active` at once). One turn is one
+beyond the free batch slots) and join the `Scheduler` between engine steps (up to
+`max_active` at once). One engine step is one
 scheduler step: a prefill chunk of the oldest newcomer and one decode round
 for the running rows (the single-sequence MTP round, or a batched round with
 per-row acceptance when several run). The loop only admits, cancels and
@@ -18,7 +18,7 @@ Delivery: each committed chunk goes to the request's asyncio queue through
 `loop.call_soon_threadsafe`, so the asyncio side never waits on MLX. An
 exception in one request ends that request with an `EngineError` item and
 never stops the loop. A cancelled request is dropped at the start of the next
-turn, so its slot is free within one round. When the last request is done, the
+step, so its slot is free within one round. When the last request is done, the
 loop hands MLX's buffer cache and the heap's free pages back (`memory.py`).
 """
 
@@ -67,7 +67,7 @@ _DONE = object()
 @dataclass(eq=False)
 class Job:
     """Work for the engine thread beside the requests (e.g. scoring a prompt): a generator the
-    loop advances one step per turn, so a long one never holds the running rows for long. Its
+    loop advances one of its steps per engine step, so a long one never holds the running rows for long. Its
     return value (StopIteration.value) resolves `future`."""
 
     make_steps: Callable[[], Iterator]  # called on the engine thread: MLX work stays there
@@ -136,8 +136,8 @@ class EngineLoop:
         self._ids = itertools.count(1)
         self._thread: Optional[threading.Thread] = None
         self._running = False
-        self.turns = 0  # completed turns, for tests and metrics
-        self._idle_after = 0  # `turns` when memory was last released
+        self.steps = 0  # completed engine steps, for tests and metrics
+        self._idle_after = 0  # `steps` when memory was last released
 
     # -- asyncio side
 
@@ -162,7 +162,7 @@ class EngineLoop:
     jobs_supported = True  # False where a job on this thread alone would desync other ranks
 
     def run_job(self, make_steps: Callable[[], Iterator]) -> asyncio.Future:
-        """Run `make_steps()` (a generator) on the engine thread between turns; from the event loop.
+        """Run `make_steps()` (a generator) on the engine thread between engine steps; from the event loop.
         Cancelling the returned future drops the job at its next step."""
         loop = asyncio.get_running_loop()
         job = Job(make_steps, loop.create_future(), loop)
@@ -182,7 +182,7 @@ class EngineLoop:
         self.scheduler.grammar_compiler().check(constraint)
 
     def cancel(self, handle: RequestHandle) -> None:
-        """Stop a request: freed at the start of the next turn (or now, if still waiting)."""
+        """Stop a request: freed at the start of the next engine step (or now, if still waiting)."""
         with self._cond:
             if handle.finished or handle.cancelled:
                 return
@@ -237,9 +237,9 @@ class EngineLoop:
         while True:
             with self._cond:
                 idle = self._running and not self._waiting and not self._active and not self._jobs
-            if idle and self.turns != self._idle_after:
+            if idle and self.steps != self._idle_after:
                 release_idle_memory()  # a burst is over: its buffers go back to the OS
-                self._idle_after = self.turns
+                self._idle_after = self.steps
             with self._cond:
                 while self._running and not self._waiting and not self._active and not self._jobs:
                     self._cond.wait()
@@ -266,8 +266,8 @@ class EngineLoop:
                 self._admit(handle)
             if job is not None:
                 self._step_job(job)
-            self._turn()
-            self.turns += 1
+            self._step()
+            self.steps += 1
 
     def _admit(self, handle: RequestHandle) -> None:
         try:
@@ -279,7 +279,7 @@ class EngineLoop:
         with self._cond:
             self._active[handle.id] = handle
 
-    def _turn(self) -> None:
+    def _step(self) -> None:
         """One scheduler step: a prefill chunk and/or one (batched) decode round."""
         if not self.scheduler.has_work():
             return

@@ -1,6 +1,7 @@
 """Prompt prefill: forward a sequence's prompt into its own caches, then sample its
-first token. Chunked and resumable, so a long prompt never stalls running rows
-for more than one engine step."""
+first token. Resumable in chunks (the prompt tokens one engine step prefills,
+`--prefill-chunk`), so a long prompt never stalls running rows for more than one
+engine step; each chunk runs as forward passes of at most MAX_FORWARD_TOKENS."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ from mtp_serve.models.mtp_model import MTPModel
 from .sampling import choose, coupled, position_noise, target_logprobs
 from .sequence import Emitted, Sequence
 
-# Longest forward pass of one prefill step (bounds activation memory).
-PREFILL_CHUNK = 1024
+# Longest forward pass inside a chunk (bounds activation memory).
+MAX_FORWARD_TOKENS = 1024
 
 
 def prefill(
     model: MTPModel,
     seq: Sequence,
-    max_tokens: Optional[int] = None,
+    chunk: Optional[int] = None,
     on_checkpoint: Optional[Callable[[Sequence, int], None]] = None,
 ) -> Optional[Emitted]:
     """Forward the next prompt tokens past those already in the caches.
 
-    With `max_tokens`, forwards up to the next multiple of it and returns None
+    With `chunk`, forwards up to the next multiple of it and returns None
     while prompt tokens remain; once the whole prompt is in, samples and returns
     the first token. The head runs over the prompt as it goes (its KV is warm
     for the first draft), up to the pair of the last forwarded position, which
@@ -34,7 +35,7 @@ def prefill(
     pair owed, the state there is what a prompt that goes on differently after
     those n tokens needs (a prompt-cache snapshot).
 
-    Forward passes end at multiples of `max_tokens` and of PREFILL_CHUNK and at
+    Forward passes end at multiples of `chunk` and of MAX_FORWARD_TOKENS and at
     the checkpoints, wherever prefill started: the state after a prefix is then
     computed by the same passes whether or not it was restored from a snapshot
     taken at a checkpoint (bit for bit, so a restored run drafts exactly as a
@@ -42,23 +43,23 @@ def prefill(
     """
     caches, owed, images = seq.caches, seq.owed, seq.images
     start = seq.cached_tokens + seq.prefilled
-    end = len(seq.prompt) if max_tokens is None else min(len(seq.prompt), (start // max_tokens + 1) * max_tokens)
+    end = len(seq.prompt) if chunk is None else min(len(seq.prompt), (start // chunk + 1) * chunk)
     if images is not None:
         # The vision tower runs for an image when prefill first reaches it: a block a step
         # when chunked (running rows decode between the pieces), all at once otherwise.
         while images.encode_next(start, end):
-            if max_tokens is not None:
+            if chunk is not None:
                 return None
     ends = {n for n in seq.checkpoints if start < n < end} | {end}
-    ends |= set(range((start // PREFILL_CHUNK + 1) * PREFILL_CHUNK, end, PREFILL_CHUNK))
+    ends |= set(range((start // MAX_FORWARD_TOKENS + 1) * MAX_FORWARD_TOKENS, end, MAX_FORWARD_TOKENS))
     j = start
     for k in sorted(ends):
-        chunk = seq.prompt[j:k]
+        tokens = seq.prompt[j:k]  # one forward pass
         if images is None:
-            hidden, logits = model.forward(mx.array([chunk]), caches.backbone, last_logits=True)
+            hidden, logits = model.forward(mx.array([tokens]), caches.backbone, last_logits=True)
         else:
-            hidden, logits = model.forward(mx.array([chunk]), caches.backbone, last_logits=True,
-                                           embeds=images.embeds(model.inner.embed_tokens, chunk, j), rope=images.rope(j, k))
+            hidden, logits = model.forward(mx.array([tokens]), caches.backbone, last_logits=True,
+                                           embeds=images.embeds(model.inner.embed_tokens, tokens, j), rope=images.rope(j, k))
         if seq.tracks_head:
             owed.hidden = hidden if owed.hidden is None else mx.concatenate([owed.hidden, hidden], axis=1)
             # Pairs whose next token is forwarded: the head takes them now.

@@ -5,11 +5,13 @@
     while sched.has_work():
         for key, chunk in sched.step(): ...      # GenerationChunk (or an exception) per request
 
-A step runs one prefill chunk of the oldest newcomer (so a long prompt never
-stalls running streams for more than one chunk) and then one speculative round
-over the running rows, each row drafting its own depth (`DepthPolicy`). One
-row is a batch of one: the same round, the same policy. Rows join after their
-prefill and leave when done or cancelled.
+A step is decided, then run: `schedule` picks what it does without touching the
+model (one prefill chunk of the oldest newcomer when a batch slot is free, so a
+long prompt never stalls running streams for more than one chunk, and a decode
+round over the running rows), and `run` does it: the chunk, then one speculative
+round, each row drafting its own depth (`DepthPolicy`). One row is a batch of
+one: the same round, the same policy. Rows join after their prefill and leave
+when done or cancelled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Deque, Dict, Hashable, Iterator, List, Optional, Protocol, Tuple
 
 from mtp_serve.models.mtp_model import MTPModel
@@ -54,6 +57,14 @@ class SchedulerLike(Protocol):
     def grammar_compiler(self) -> GrammarCompiler: ...
 
     def drop_all(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one engine step runs."""
+
+    prefill: Optional[Sequence]  # the newcomer whose next prompt chunk is prefilled, if any
+    decode: bool  # a round over the running rows (joined by `prefill`'s row when its prompt is done)
 
 
 class Scheduler(SchedulerLike):
@@ -125,12 +136,22 @@ class Scheduler(SchedulerLike):
 
     def step(self) -> Iterator[Tuple[Hashable, Any]]:
         """Yields (key, GenerationChunk) per request that got tokens, or (key, exception),
-        each as soon as it is ready: a finished prefill's first token comes before the
-        running rows' round (which the new row then joins)."""
+        each as soon as it is ready."""
+        return self.run(self.schedule())
+
+    def schedule(self) -> Plan:
+        """Decide this step (no model work): cancelled requests leave, the oldest newcomer
+        prefills a chunk while the batch has a free slot, and the running rows decode."""
         self._drop_cancelled()
-        if self.prefilling and len(self.batch) < self.max_batch_size:
-            yield from self._prefill_step(self.prefilling[0])
-        if self.batch.rows:
+        newcomer = self.prefilling[0] if self.prefilling and len(self.batch) < self.max_batch_size else None
+        return Plan(prefill=newcomer, decode=bool(self.batch.rows) or newcomer is not None)
+
+    def run(self, plan: Plan) -> Iterator[Tuple[Hashable, Any]]:
+        """Run `plan`: a finished prefill's first token comes before the running rows' round
+        (which the new row then joins)."""
+        if plan.prefill is not None:
+            yield from self._prefill_step(plan.prefill)
+        if plan.decode and self.batch.rows:
             yield from self._round()
 
     # -- internals

@@ -195,7 +195,7 @@ def render(svc: Service, req: CountTokensRequest) -> ChatPrompt:
             choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
     parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
     messages = template_messages(req)
-    return svc.chat.render(messages, openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
+    return svc.render(messages, openai_tools(req.tools), choice, name, template_kwargs(req.thinking),
                            parallel_tool_calls=parallel, schema_mode=req.json_schema_mode or svc.config.json_schema_mode,
                            continue_final=prefill(messages))
 

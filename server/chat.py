@@ -42,7 +42,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from jinja2 import TemplateError
 
@@ -75,8 +75,8 @@ class ChatPrompt:
     tools: Optional[list]  # OpenAI tools as dicts
     checkpoints: tuple = ()  # prompt lengths worth a prompt-cache snapshot
     images: tuple = ()  # PreparedImage per image, in prompt order; each fills n_tokens image-pad tokens of `ids`
-    # What the engine enforces from the first output token (reasoning stays free): built and compiled
-    # with the prompt, off the engine thread (`ChatFormat.engine_constraint`).
+    # What the engine enforces from the first output token (reasoning stays free): built with the
+    # prompt (`ChatFormat.engine_constraint`), compiled off the engine thread by `Service.render`.
     engine_constraint: Optional[Constraint] = None
 
     @classmethod
@@ -169,14 +169,13 @@ class ChatFormat:
 
     def __init__(self, tokenizer, card, *, chat_template: Optional[str] = None, tool_parser: str = "auto",
                  reasoning_parser: str = "auto", special_tokens_in_content: bool = False,
-                 check_constraint: Callable[[Constraint], None] = lambda c: None, vision=None,
+                 vision=None,
                  image_settings: ImageSettings = ImageSettings()):
         self.tokenizer = hf_tokenizer(tokenizer)
         self.vision = vision  # the model's vision tower (models/vision.Vision), None for a text-only model
         self.image_settings = image_settings
         self.encoder = PromptEncoder(self.tokenizer, allow_special_in_content=special_tokens_in_content)
         self.added_tokens = set(self.tokenizer.get_added_vocab())
-        self.check_constraint = check_constraint  # compiles it: a 400 naming the problem
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
         self.template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -260,10 +259,8 @@ class ChatFormat:
         for marker, token in markers.items():
             text = text.replace(marker, token)
         constraint = constraints.one_of(forced, output)
-        engine = self.engine_constraint(constraint, opens)
-        if engine is not None:
-            self.check_constraint(engine)  # compiled here, on the tokenizer thread; the engine copies it
-        return ChatPrompt(text, ids, constraint, opens, parser, tools, self.checkpoints(ids), images, engine)
+        return ChatPrompt(text, ids, constraint, opens, parser, tools, self.checkpoints(ids), images,
+                          self.engine_constraint(constraint, opens))
 
     def expand_images(self, ids: List[int], images: tuple, param: str) -> List[int]:
         """The template writes one image-pad token per image; each becomes the image's

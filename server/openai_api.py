@@ -199,11 +199,11 @@ def include_usage(req) -> bool:
 
 def render_chat(svc: Service, req: ChatCompletionRequest) -> ChatPrompt:
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
-    return svc.chat.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
-                           None if named else req.tool_choice, named, template_kwargs(req),
-                           output=constraints.requested(req, schema_mode(svc, req)), parallel_tool_calls=req.parallel_tool_calls,
-                           schema_mode=schema_mode(svc, req), continue_final=req.continue_final_message,
-                           add_generation_prompt=req.add_generation_prompt is not False)
+    return svc.render(template_messages(req.messages), [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                      None if named else req.tool_choice, named, template_kwargs(req),
+                      output=constraints.requested(req, schema_mode(svc, req)), parallel_tool_calls=req.parallel_tool_calls,
+                      schema_mode=schema_mode(svc, req), continue_final=req.continue_final_message,
+                      add_generation_prompt=req.add_generation_prompt is not False)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> Optional[dict]:

@@ -250,7 +250,7 @@ def render(svc: Service, req: ResponsesRequest, history: List[dict]) -> tuple:
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     mode, name = tool_choice(req.tool_choice)
     tools, namespaces = function_tools(req.tools)
-    prompt = svc.chat.render(system + conversation, tools, mode, name, thinking_kwargs(req.reasoning), messages_param="input",
+    prompt = svc.render(system + conversation, tools, mode, name, thinking_kwargs(req.reasoning), messages_param="input",
                              output=output, parallel_tool_calls=req.parallel_tool_calls, schema_mode=schema_mode)
     return prompt, conversation, namespaces
 

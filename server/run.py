@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable, List, Optional
+from typing import TYPE_CHECKING, AsyncIterator, List, Optional
 
 from mtp_serve.engine.engine_loop import EngineError, RequestHandle
 from mtp_serve.engine.sampling import SamplingParams
@@ -34,6 +34,9 @@ from mtp_serve.server import structured
 from mtp_serve.server.chat import ChatPrompt
 from mtp_serve.server.errors import APIError, ClientGone
 from mtp_serve.server.parsers import ContentDelta, Event, OutputParser, ParsedOutput, ToolCallArgsDelta, ToolCallStart, collect
+
+if TYPE_CHECKING:
+    from mtp_serve.server.service import Service
 
 log = logging.getLogger("mtp_serve.server")
 
@@ -117,26 +120,32 @@ class Timing:
 
 @dataclass
 class Run:
-    """A submitted request. Built by `Service.start`, which checks and submits it."""
+    """A request on the engine. `Service.start` checks it, builds it (no side effects) and
+    submits it (`submit`)."""
 
+    service: "Service"  # the model's: its engine, chat format (output parser), tokenizer and metrics
     prompt: ChatPrompt  # ids, prompt-cache checkpoints, output constraint, parser configuration
     params: SamplingParams
     depth: int  # MTP drafts per round
     options: Options
     request: object  # the starlette Request: its scope (metrics) and disconnects
-    submit: Callable[..., RequestHandle]  # Service.submit_ids(ids, params, depth, checkpoints, images=...)
-    new_parser: Callable[[ChatPrompt], OutputParser]
-    encode: Callable[[str], List[int]]
-    metrics: object
     started: float = field(default_factory=time.perf_counter)
     lowered_from: Optional[int] = None  # the client's max_tokens, when it was lowered to fit the context
     token_ids: List[int] = field(default_factory=list)  # the output so far
     text: str = ""
     handle: Optional[RequestHandle] = None
 
-    def __post_init__(self):
+    def submit(self) -> "Run":
+        """Put the first engine request in the queue (up to the reasoning budget when one applies);
+        a full queue or a stopped engine raises its APIError here, before any output."""
         first = replace(self.params, max_tokens=self.options.reasoning_budget) if self._budget_applies else self.params
-        self.handle = self.submit(self.prompt.ids, first, self.depth, self.prompt.checkpoints, images=self.prompt.images)
+        self.handle = self.service.submit_ids(self.prompt.ids, first, self.depth, self.prompt.checkpoints,
+                                              images=self.prompt.images)
+        return self
+
+    @property
+    def metrics(self):
+        return self.service.metrics
 
     @property
     def _budget_applies(self) -> bool:
@@ -161,45 +170,49 @@ class Run:
         timing = Timing(self.metrics, self.started)
         watcher = asyncio.create_task(self._watch()) if watch_disconnect else None
         try:
-            first = None
             async for chunk in self.handle:
                 self._took(chunk, timing)
-                if chunk.finish_reason and self._budget_applies:
-                    first = chunk  # the budget's end: decided below
-                    break
+                if chunk.finish_reason and self._budget_applies:  # the budget's end: the second request decides
+                    async for more in self._past_the_budget(chunk, timing):
+                        yield more
+                    return
                 yield chunk
                 if chunk.finish_reason:
                     self._finished(chunk)
-            if first is None:
-                return
-            close = "" if any(tag in self.text for tag in REASONING_ENDS) else THINK_CLOSE
-            close_ids = self.encode(close) if close else []
-            left = self.params.max_tokens - len(self.token_ids) - len(close_ids)
-            if first.finish_reason != "length" or left <= 0:  # ended in the budget, or no room to go on
-                yield first
-                self._finished(first)
-                return
-            yield replace(first, finish_reason=None)
-            if close:
-                yield replace(first, token_ids=close_ids, text=close, logprobs=None, finish_reason=None)
-                self.token_ids += close_ids
-                self.text += close
-            try:
-                # The reasoning is closed: an output constraint applies from the first token on.
-                params = replace(self.params, max_tokens=left, constraint=self.prompt.constraint)
-                self.handle = self.submit(self.prompt.ids + self.token_ids, params, self.depth, (), images=self.prompt.images)
-            except APIError as e:  # queue full or engine stopped, mid-response: the engine failed this request
-                raise EngineError(e.message) from e
-            async for chunk in self.handle:
-                self._took(chunk, timing)
-                if chunk.finish_reason:
-                    chunk = replace(chunk, stats=merge_stats(first.stats, chunk.stats, len(close_ids)))
-                    self._finished(chunk)
-                yield chunk
         finally:
             if watcher is not None:
                 watcher.cancel()
             self.handle.cancel()
+
+    async def _past_the_budget(self, first, timing: Timing) -> AsyncIterator:
+        """After the first engine request stopped at the reasoning budget: close the think block
+        (unless the reasoning ended already) and go on with a second engine request from
+        everything so far, with the tokens left; its chunks, the last one with both requests' stats."""
+        close = "" if any(tag in self.text for tag in REASONING_ENDS) else THINK_CLOSE
+        close_ids = self.service.encode(close) if close else []
+        left = self.params.max_tokens - len(self.token_ids) - len(close_ids)
+        if first.finish_reason != "length" or left <= 0:  # ended in the budget, or no room to go on
+            yield first
+            self._finished(first)
+            return
+        yield replace(first, finish_reason=None)
+        if close:
+            yield replace(first, token_ids=close_ids, text=close, logprobs=None, finish_reason=None)
+            self.token_ids += close_ids
+            self.text += close
+        try:
+            # The reasoning is closed: an output constraint applies from the first token on.
+            params = replace(self.params, max_tokens=left, constraint=self.prompt.constraint)
+            self.handle = self.service.submit_ids(self.prompt.ids + self.token_ids, params, self.depth, (),
+                                                  images=self.prompt.images)
+        except APIError as e:  # queue full or engine stopped, mid-response: the engine failed this request
+            raise EngineError(e.message) from e
+        async for chunk in self.handle:
+            self._took(chunk, timing)
+            if chunk.finish_reason:
+                chunk = replace(chunk, stats=merge_stats(first.stats, chunk.stats, len(close_ids)))
+                self._finished(chunk)
+            yield chunk
 
     async def _watch(self) -> None:
         while not self.handle.finished:
@@ -227,7 +240,7 @@ class Run:
     # -- parsed output
 
     def _parser(self) -> Optional[OutputParser]:
-        return self.new_parser(self.prompt) if self.options.parse else None
+        return self.service.chat.output_parser(self.prompt) if self.options.parse else None
 
     def _keep(self, events: List[Event]) -> List[Event]:
         """With parallel_tool_calls off only the first call goes out."""

@@ -113,7 +113,7 @@ class Service:
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,
-                               check_constraint=self.check_constraint, vision=getattr(loaded.model, "vision", None),
+                               vision=getattr(loaded.model, "vision", None),
                                image_settings=config.images)
         self.metrics = Metrics(self.engine)
         # Prompts are checked, rendered and tokenized off the event loop, on a few threads
@@ -169,6 +169,14 @@ class Service:
                               "response_format", "invalid_constraint") from None
         except GrammarError as e:
             raise bad_request(str(e), "response_format", "invalid_constraint") from e
+
+    def render(self, *args, **kwargs) -> ChatPrompt:
+        """`ChatFormat.render`, then the engine's constraint compiled (a 400 naming the problem). Called
+        on the tokenizer threads (`run_cpu`), so the engine thread only copies the compiled matcher."""
+        prompt = self.chat.render(*args, **kwargs)
+        if prompt.engine_constraint is not None:
+            self.check_constraint(prompt.engine_constraint)
+        return prompt
 
     def check_prompt_bytes(self, n_bytes: int, n_images: int = 0) -> None:
         """Before any rendering or tokenizing: no token holds more than `max_token_bytes`
@@ -239,10 +247,10 @@ class Service:
             raise bad_request(str(e)) from e
         if options.reasoning_budget is None and fields.thinking_token_budget is not None:
             options = replace(options, reasoning_budget=fields.thinking_token_budget)
-        return Run(prompt, params, fields.mtp_depth if fields.mtp_depth is not None else self.config.mtp_depth, options,
-                   request, self.submit_ids, self.chat.output_parser, self.encode, self.metrics,
-                   started=getattr(request.state, "started", None) or time.perf_counter(),
-                   lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
+        run = Run(self, prompt, params, fields.mtp_depth if fields.mtp_depth is not None else self.config.mtp_depth,
+                  options, request, started=getattr(request.state, "started", None) or time.perf_counter(),
+                  lowered_from=max_tokens if max_tokens is not None and max_tokens > granted else None)
+        return run.submit()
 
     def submit_ids(self, ids, params: SamplingParams, depth: int, checkpoints: tuple = (), images: tuple = ()) -> RequestHandle:
         """`images`: the prompt's PreparedImages, in order (their pad tokens are in `ids`)."""

@@ -164,17 +164,15 @@ def test_the_engine_uses_the_matcher_the_check_compiled(demo_model):
 
 
 def test_a_rendered_prompt_carries_its_engine_constraint_compiled(demo_model):
-    """Rendering builds what the engine enforces and compiles it there (a tokenizer thread in the
-    server): the prompt's engine_constraint arrives prepared, with or without an open think block."""
-    from mtp_serve.models.mlx_lm_compat import hf_tokenizer
-    from mtp_serve.server.chat import ChatFormat
+    """`Service.render` (run on the tokenizer threads) builds what the engine enforces and compiles it:
+    the prompt's engine_constraint arrives prepared, with or without an open think block."""
+    from mtp_serve.server.service import ServerConfig, Service
 
-    gc = GrammarCompiler(hf_tokenizer(demo_model.tokenizer), demo_model.model.vocab_size, demo_model.tokenizer.eos_token_ids)
-    chat = ChatFormat(demo_model.tokenizer, demo_model.card, check_constraint=gc.check)
+    svc = Service(demo_model, ServerConfig(served_model_name="demo", prompt_cache_bytes=0))
     output = Constraint.choice(["yes", "no"])
     for thinking in (False, True):
-        prompt = chat.render([{"role": "user", "content": "Yes or no?"}], output=output,
-                             template_kwargs={"enable_thinking": thinking})
+        prompt = svc.render([{"role": "user", "content": "Yes or no?"}], output=output,
+                            template_kwargs={"enable_thinking": thinking})
         assert prompt.opens_reasoning == thinking and prompt.constraint is output
         assert prompt.engine_constraint.prepared() is not None, thinking
         assert (prompt.engine_constraint.source == output.source) == (not prompt.opens_reasoning)

@@ -74,11 +74,11 @@ def test_cancel_frees_the_slot_and_queue_is_bounded(lm):
             waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True), 0)
             with pytest.raises(QueueFull):
                 engine.submit(PROMPTS[2], SamplingParams(max_tokens=3), 0)
-            turns = engine.turns
+            steps = engine.steps
             long.cancel()
             out, finish = await _collect(waiting)  # gets the slot once the long one is dropped
             assert len(out) == 3 and finish == "length"
-            assert engine.turns - turns <= 3 + 2
+            assert engine.steps - steps <= 3 + 2
             async for _ in agen:  # the cancelled stream just ends
                 pass
 

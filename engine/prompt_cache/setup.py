@@ -9,8 +9,8 @@
   INTERVAL_ALIGN tokens over which those states cost at most
   INTERVAL_STATE_SHARE of the KV of the tokens between two snapshots, so the
   extra snapshots add at most that share to a conversation's memory. Multiples
-  of INTERVAL_ALIGN fall on prefill chunk ends (the server's default chunk and
-  PREFILL_CHUNK divide it), so they cost no extra forward pass.
+  of INTERVAL_ALIGN fall where prefill's forward passes end (the server's default
+  --prefill-chunk and prefill.MAX_FORWARD_TOKENS divide it), so they cost no extra pass.
 - Disk budget: half the free space of the cache's file system, at most 16 GiB.
 - KV setting: the model's (`--kv-bits`); snapshots hold KV as the caches do,
   and the setting is part of their names and of the disk fingerprint.
