@@ -9,7 +9,7 @@ context length), then the reply the agent writes:
 - write: one of the files rewritten whole with a one-line edit (the write tool);
 - edit: `oldString` / `newString` calls quoting a few lines of a file and changing one (the edit tool);
 - tools: tool calls naming paths and identifiers from the context, between short new sentences;
-- free: new prose, nothing of it in the context.
+- free: prose from Python's language reference, nothing of it in the context.
 
 Replayed teacher-forced on the real engine (`Scheduler`): the verify windows, the head's drafts,
 the copy index and the commits are the server's own; which drafts are accepted is decided by the
@@ -53,23 +53,27 @@ ACCEPTANCE = 0.8
 
 
 def source_files() -> list:
-    import calendar, difflib, fractions, heapq, json.decoder, shlex, textwrap, tokenize  # noqa: E401
+    """The file the agent edits first (small enough for a 2k context), then the rest of the context."""
+    import bisect, calendar, colorsys, difflib, fractions, heapq, json.decoder, shlex, textwrap, tokenize  # noqa: E401
 
-    modules = (textwrap, shlex, json.decoder, heapq, fractions, difflib, calendar, tokenize, argparse, inspect)
+    modules = (colorsys, bisect, shlex, json.decoder, textwrap, heapq, fractions, calendar, tokenize, difflib, argparse,
+               inspect)
     return [(m.__name__, inspect.getsource(m)) for m in modules]
 
 
 def build_trace(kind: str, encode, context_tokens: int, rng: random.Random) -> tuple:
     """(context ids, reply ids) for one trace kind at about `context_tokens` of context."""
-    files = source_files()
-    context, used = [], []
-    for name, text in files:
+    context, used = [], []  # used: the files wholly inside the context
+    for name, text in source_files():
         ids = encode(f"<file path=\"lib/{name.replace('.', '/')}.py\">\n{text}\n</file>\n")
-        if len(context) + len(ids) > context_tokens and used:
+        room = context_tokens - len(context)
+        context += ids[:room]
+        if len(ids) > room:
             break
-        context += ids[: context_tokens - len(context)]
         used.append((name, text))
-    name, text = used[-2] if len(used) > 1 else used[-1]  # a file wholly inside the context
+    if not used:
+        raise SystemExit(f"a context of {context_tokens} tokens holds no whole source file")
+    name, text = used[0]  # the agent's file: wholly inside the context, far from its end at long contexts
     lines = text.splitlines()
     if kind == "write":
         k = rng.randrange(len(lines) // 4, len(lines) // 2)
@@ -92,10 +96,10 @@ def build_trace(kind: str, encode, context_tokens: int, rng: random.Random) -> t
             parts.append(f'<tool_call>{{"name": "grep", "arguments": {{"pattern": "{rng.choice(idents)}", '
                          f'"path": "{rng.choice(paths)}"}}}}</tool_call>')
         reply = "\n".join(parts)
-    else:  # free text: nothing to copy
-        words = ("the server keeps each conversation warm so the next turn starts where the last one ended while "
-                 "drafts verified together make every step count for several tokens").split()
-        reply = " ".join(rng.choice(words) for _ in range(400))
+    else:  # free text: prose none of the context holds (Python's language reference)
+        from pydoc_data.topics import topics
+
+        reply = topics[rng.choice(["assignment", "class", "exceptions", "naming", "execmodel"])][:4000]
     return context, encode(reply)
 
 
