@@ -36,7 +36,7 @@ from common import pc  # noqa: I001  (first: sets up the backend, OpenBLAS, befo
 import mlx.core as mx
 
 import mtp_serve.engine.speculative as speculative
-from bench_acceptance_speed import SHAPES, oracle_drafts
+from bench_acceptance_speed import SHAPES, Tok, oracle_drafts
 from cost_model import QWEN35_VOCAB, random_mtp_model
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.prompt_cache import PromptCache
@@ -157,25 +157,6 @@ def replay(lm, cache, context, reply, mode: str) -> dict:
 
 
 # ---------------------------------------------------------------- models
-
-
-class Tok:
-    eos_token_ids: list = []
-
-    class detokenizer:  # noqa: N801 - mlx-lm's attribute name
-        text = ""
-
-        @staticmethod
-        def reset():
-            pass
-
-        @staticmethod
-        def add_token(t):
-            pass
-
-        @staticmethod
-        def finalize():
-            pass
 
 
 def load(name: str):
