@@ -30,7 +30,7 @@ from typing import Dict, List, Sequence
 # n-gram lengths matched, longest first; two tokens recur by chance too often to be worth a window
 ORDERS = (16, 8, 4, 3)
 MIN_COPY = 2  # tokens: shorter proposals are left to the MTP head
-MAX_COPY = 32  # most tokens a row copies in one round (the server's --copy-max raises or lowers it)
+MAX_COPY = 32  # most tokens a row copies in one round (the default of the server's --copy-drafts)
 
 
 class ContextIndex:
