@@ -17,19 +17,24 @@ rules handle exactly: greedy and seeded rows accept it while it equals the targe
 choice; other sampled rows accept it with the target's probability of it and, on
 rejection, draw from the target with it removed.
 
-`CopyCap` is a row's adaptive length limit: it doubles while whole copies are accepted,
-falls to what was accepted when a copy is cut short, and backs off from copying for a
-while after copies that land nothing.
+`CopyCap` is a row's record of its copies: per matched order, the chance that the next
+copied token lands given the ones before it did (a moving average from a prior that trusts
+long matches more), which gives the tokens a copy is expected to emit; and a length limit
+that doubles while whole copies land and falls to what landed when one is cut short.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
 
 # n-gram lengths matched, longest first; two tokens recur by chance too often to be worth a window
 ORDERS = (16, 8, 4, 3)
 MIN_COPY = 2  # tokens: shorter proposals are left to the MTP head
+# P(a copied token lands | the ones before it did), before a row has copied, by matched order
+PRIOR_RATE = {16: 0.95, 8: 0.9, 4: 0.75, 3: 0.6}
+RATE_EMA = 0.3  # weight of one copy in a row's rate
+RATE_RECOVERY = 0.02  # per round without copying, a rate moves back this far towards its prior
 MAX_COPY = 32  # most tokens a row copies in one round (the default of the server's --copy-drafts)
 
 
@@ -58,40 +63,46 @@ class ContextIndex:
 
     def propose(self, limit: int) -> List[int]:
         """Up to `limit` tokens that followed the longest earlier match of the newest tokens."""
+        return self.match(limit)[0]
+
+    def match(self, limit: int) -> Tuple[List[int], int]:
+        """`propose`'s tokens and the order (n-gram length) that matched (0: none)."""
         toks = self.tokens
         if limit <= 0:
-            return []
+            return [], 0
         for n in ORDERS:
             if len(toks) < n:
                 continue
             end = self._last[n].get(hash(tuple(toks[-n:])))
             if end is not None:
-                return toks[end + 1 : end + 1 + limit]
-        return []
+                return toks[end + 1 : end + 1 + limit], n
+        return [], 0
 
 
 @dataclass
 class CopyCap:
-    """A row's copy length limit, adapted to how its copies fare."""
+    """A row's copies so far: how likely each matched order's copies land, and a length limit."""
 
     limit: int = 8
-    backoff: int = 0  # rounds left without copying
-    misses: int = 0  # copies in a row that landed nothing
+    rates: Dict[int, float] = field(default_factory=lambda: dict(PRIOR_RATE))
 
-    def ready(self) -> bool:
-        if self.backoff > 0:
-            self.backoff -= 1
-            return False
-        return True
+    def expected_tokens(self, order: int, length: int) -> float:
+        """Tokens a round copying `length` tokens of a match of `order` emits on average
+        (its landed copies and the token after them)."""
+        c = self.rates[order]
+        return sum(c**j for j in range(length + 1))
 
-    def observe(self, drafted: int, accepted: int, most: int = MAX_COPY) -> None:
+    def idle(self) -> None:
+        """A round without copying: each rate drifts back towards its prior (so a row whose
+        copies once failed tries again later)."""
+        for n, prior in PRIOR_RATE.items():
+            self.rates[n] += RATE_RECOVERY * (prior - self.rates[n])
+
+    def observe(self, order: int, drafted: int, accepted: int, most: int = MAX_COPY) -> None:
+        if order in self.rates:  # (0: a chain the scheduler did not match, e.g. given to the round directly)
+            trials = accepted + (accepted < drafted)  # the landed ones, and the one that did not
+            self.rates[order] += RATE_EMA * (accepted / trials - self.rates[order])
         if accepted == drafted:
             self.limit = min(most, self.limit * 2)
-            self.misses = 0
-        elif accepted == 0:
-            self.misses += 1
-            self.limit = max(MIN_COPY, self.limit // 2)
-            self.backoff = 1 << min(self.misses, 6)  # 2, 4, ... 64 rounds
         else:
             self.limit = max(MIN_COPY, min(most, accepted + 1))
-            self.misses = 0

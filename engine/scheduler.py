@@ -188,7 +188,7 @@ class Scheduler(SchedulerLike):
             depths = self.policy.depths(rows)
             if self.sync is not None:
                 depths = self.sync.depths(rows, depths)
-            certain = self._certain_drafts(rows) if self.sync is None else None
+            certain = self._certain_drafts(rows, depths) if self.sync is None else None
             if certain is not None:
                 depths = [0 if c else d for c, d in zip(certain.chains, depths)]
             accepted = run_round(self.model, self.batch, depths, self.sync, certain)
@@ -209,27 +209,32 @@ class Scheduler(SchedulerLike):
                 self._leave(s, store=True)
         return out
 
-    def _certain_drafts(self, rows: List[Sequence]) -> Optional[CertainDrafts]:
+    def _certain_drafts(self, rows: List[Sequence], depths: List[int]) -> Optional[CertainDrafts]:
         """Drafts that come with certainty, for rows that speculate: under a grammar, the
-        tokens it forces next; otherwise up to the row's copy limit of tokens copied from its
-        context (at least MIN_COPY, else the head drafts). None when no row has any. Every row
-        of a batch verifies the longest chain's window, so a batch shares the copy length out."""
+        tokens it forces next; otherwise tokens copied from the row's context, where the copy
+        is expected to emit more than the head's drafts at the depth the policy chose (from the
+        row's record of copies at that match length). None when no row has any. Every row of
+        a batch verifies the longest chain's window, so a batch shares the copy length out."""
         chains, sources = [], []
         most = self.copy_max if len(rows) == 1 else max(2 * MIN_COPY, self.copy_max // len(rows))
-        for s in rows:
+        for s, depth in zip(rows, depths):
             chain, source = [], ""
             if s.max_depth > 0 and s.tokens_left > 1:
                 if s.grammar is not None:
                     chain, source = s.grammar.forced(min(self.copy_max or MAX_COPY, s.tokens_left - 1)), "forced"
                 elif s.params.copy_drafts and self.copy_max > 0:
-                    limit = min(s.copy_cap.limit, most, s.tokens_left - 1)
-                    if limit >= MIN_COPY and s.copy_cap.ready():
-                        chain, source = s.context_index().propose(limit), "copy"
-                        if len(chain) < MIN_COPY:
-                            chain = []
+                    chain, source = self._copy(s, min(s.copy_cap.limit, most, s.tokens_left - 1), depth), "copy"
             chains.append(chain)
             sources.append(source if chain else "")
         return CertainDrafts(chains, sources) if any(chains) else None
+
+    def _copy(self, s: Sequence, limit: int, depth: int) -> List[int]:
+        chain, order = s.context_index().match(limit) if limit >= MIN_COPY else ([], 0)
+        if len(chain) >= MIN_COPY and s.copy_cap.expected_tokens(order, len(chain)) > self.policy.expected_tokens(s, depth):
+            s.copy_order = order
+            return chain
+        s.copy_cap.idle()
+        return []
 
     def _drop_batch(self) -> None:
         """Forget every running row and its caches: after a failed round they may hold

@@ -133,6 +133,7 @@ class Sequence:
     images: Optional[ImagePrompt] = None  # the prompt's images (vision-language models)
     context: Optional[ContextIndex] = None  # prompt and committed tokens indexed for copy drafts (built on first use)
     copy_cap: CopyCap = field(default_factory=CopyCap)
+    copy_order: int = 0  # the n-gram length the row's last copy matched
     started: float = field(default_factory=time.perf_counter)  # phase start, for stats
 
     @property

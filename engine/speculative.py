@@ -360,6 +360,6 @@ def commit(batch: Batch, accepted: Accepted) -> None:
         if source:
             s.stats.record_certain(source, drafts.depths[i], m)
             if source == "copy":
-                s.copy_cap.observe(drafts.depths[i], m)
+                s.copy_cap.observe(s.copy_order, drafts.depths[i], m)
         else:
             s.stats.record_round(drafts.depths[i], m)
