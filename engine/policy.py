@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .context_drafts import MIN_COPY
 from .sequence import Sequence, ema_update
 
 COST_EMA = 0.2
@@ -134,6 +135,23 @@ class DepthPolicy:
         self.samples[key] = n + 1
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self.last_round[key] = self.rounds[bucket]
+
+    def head_rate(self, seq: Sequence, bucket: int) -> Optional[float]:
+        """The row's best expected tokens per second from the head at this batch size, over the
+        depths whose round time is measured (None before any is)."""
+        rates = [self.expected_tokens(seq, K) / self.round_time[(bucket, K)]
+                 for K in range(self.request_cap(seq) + 1) if (bucket, K) in self.round_time]
+        return max(rates) if rates else None
+
+    def observe_copies(self, rows: List[Sequence], lengths: List[int], sources: List[str], accepted: List[int],
+                       seconds: float) -> None:
+        """A round with copies: a row whose copy emitted tokens more slowly than the head would
+        have halves its copy length (the window's cost on this machine decides how long pays)."""
+        bucket = batch_bucket(len(rows))
+        for s, n, source, m in zip(rows, lengths, sources, accepted):
+            head = self.head_rate(s, bucket) if source == "copy" else None
+            if head is not None and (m + 1) / seconds < head:
+                s.copy_cap.limit = max(MIN_COPY, min(s.copy_cap.limit, n) // 2)
 
     def summary(self) -> dict:
         return {

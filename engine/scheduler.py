@@ -199,6 +199,8 @@ class Scheduler(SchedulerLike):
             return [(s.key, e) for s in rows]
         # A round with certain drafts is no sample of the head's window costs (its window was longer).
         self.policy.observe(rows, depths, accepted.counts, elapsed if certain is None else None)
+        if certain is not None:
+            self.policy.observe_copies(rows, [len(c) for c in certain.chains], certain.sources, accepted.counts, elapsed)
         self.last_round = {s.key: (d, m if d else 0) for s, d, m in zip(rows, depths, accepted.counts)}
         self.last_certain = {s.key: len(c) for s, c in zip(rows, certain.chains) if c} if certain is not None else {}
         for i, s in enumerate(rows):
