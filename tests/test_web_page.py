@@ -91,7 +91,8 @@ def test_demo_model_chat_charts_and_side_by_side(browser, demo):
     assert series_max(page, "tokS") > 0  # decode tok/s of the running row
     assert series_max(page, "perPass") > 1  # MTP: more than one token per backbone pass
     assert 0 < series_max(page, "acceptance") <= 1
-    assert series_max(page, "depth") >= 1
+    # the head drafted in some round, or copies from the context did its work (the row's depth is then 0)
+    assert series_max(page, "depth") >= 1 or series_max(page, "sources") > 0
     assert series_max(page, "cacheBytes") > 0
     points = page.evaluate("Object.fromEntries(Object.entries(window.mtpPage.charts).map(([k, c]) => [k, c.points]))")
     assert all(n > 0 for n in points.values()), points
