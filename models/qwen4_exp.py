@@ -302,7 +302,7 @@ class PLE(nn.Module):
         self.norm_conv = GroupedRMSNorm(G * H, eps, G)
         self.conv_weight = mx.zeros((G * H, self.kernel))  # depthwise, dilated (HF conv1d.weight [C, 1, K])
 
-    def __call__(self, streams: mx.array, tokens: mx.array, cache: Optional["PLEState"]) -> mx.array:
+    def __call__(self, streams: mx.array, tokens: mx.array, cache: Optional["PLEState"], capture: bool = False) -> mx.array:
         B, T, _ = streams.shape
         ctx = cache.ngram if cache is not None and cache.ngram is not None else mx.full((B, self.context), self.ple_embedding.eos, tokens.dtype)
         history = mx.concatenate([ctx.astype(tokens.dtype), tokens], axis=1)
@@ -318,7 +318,7 @@ class PLE(nn.Module):
         conv_in = mx.concatenate([prev, normed], axis=1)
         out = sum(conv_in[:, j * self.dilation : j * self.dilation + T] * self.conv_weight[:, j] for j in range(self.kernel))
         if cache is not None:
-            cache.store(history, conv_in, T)
+            cache.store(history, conv_in, T, capture)
         return value + nn.silu(out)
 
 
@@ -346,13 +346,13 @@ class IndexedKVCache(KVCache):
 
     @property
     def state(self):
-        k, v = super().state
-        return k, v, self.index_keys[:, : self.offset]
+        index = self.index_keys[:, : self.offset] if self.index_keys is not None else None
+        return (*super().state, index)
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.index_keys = v
-        self.offset = self.keys.shape[2]
+        *base, self.index_keys = v
+        KVCache.state.fset(self, tuple(base))
 
 
 class Indexer(nn.Module):
@@ -388,13 +388,27 @@ class Indexer(nn.Module):
         scores = scores.sum(axis=1) / math.sqrt(self.dim)  # [B, T, nb]
         complete = (pos + 1) // self.ratio  # complete blocks each query sees
         valid = mx.arange(nb)[None] < complete[:, None]  # [T, nb]
-        masked = mx.where(valid[None], scores, -mx.inf)
-        rank = mx.argsort(mx.argsort(-masked, axis=-1), axis=-1)
-        chosen = (rank < self.top_blocks) & valid[None]  # [B, T, nb]
+        chosen = top_blocks(mx.where(valid[None], scores, -mx.inf), self.top_blocks) & valid[None]  # [B, T, nb]
         in_block = kpos < nb * self.ratio
         token_chosen = mx.take(chosen, mx.minimum(kpos // self.ratio, nb - 1), axis=-1) & in_block
         tail = (kpos[None] >= (complete * self.ratio)[:, None])  # the incomplete last block
         return ((token_chosen | tail[None]) & causal[None])[:, None]
+
+
+def top_blocks(scores: mx.array, k: int) -> mx.array:
+    """The k best of `scores` [..., n] as a mask; among blocks tied at the cut (heads' scores
+    all clamped to zero by the ReLU tie easily) the most recent win. transformers' `topk`
+    leaves the order of ties unspecified (its CPU and CUDA kernels differ), so this rule
+    is a choice, fixed here so a verify window and plain steps choose alike."""
+    n = scores.shape[-1]
+    if n <= k:
+        return mx.ones(scores.shape, mx.bool_)
+    cut = mx.sort(scores, axis=-1)[..., n - k : n - k + 1]  # the k-th best score
+    above = scores > cut
+    tied = scores == cut
+    need = k - above.sum(axis=-1, keepdims=True)
+    later_tied = mx.cumsum(tied[..., ::-1].astype(mx.int32), axis=-1)[..., ::-1] - tied  # tied blocks after each
+    return above | (tied & (later_tied < need))
 
 
 class Attention(nn.Module):
@@ -444,14 +458,13 @@ class PLEState:
     def __init__(self):
         self.ngram: Optional[mx.array] = None
         self.conv: Optional[mx.array] = None
-        self.capturing = False
         self.recorded: Optional[tuple] = None  # (history, conv input, T)
 
-    def store(self, history: mx.array, conv_in: mx.array, T: int) -> None:
+    def store(self, history: mx.array, conv_in: mx.array, T: int, capture: bool = False) -> None:
         n_ctx, n_conv = history.shape[1] - T, conv_in.shape[1] - T
         self.ngram = mx.contiguous(history[:, -n_ctx:])
         self.conv = mx.contiguous(conv_in[:, -n_conv:])
-        self.recorded = (history, conv_in, T) if self.capturing else None
+        self.recorded = (history, conv_in, T) if capture else None
 
     def keep(self, n) -> None:
         """Windows as after the first n positions of the recorded window (an int, or one per row)."""
@@ -489,7 +502,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, streams: mx.array, tokens: mx.array, cache: Any = None) -> mx.array:
         if self.has_ple:
-            streams = streams + self.ple(streams, tokens, None if cache is None else cache.ple)
+            streams = streams + self.ple(streams, tokens, None if cache is None else cache.ple,
+                                         getattr(cache, "capturing", False))
         x, w = self.attn_hyper_connection(streams)
         if self.is_linear:
             y = self.linear_attn(x, mask=None, cache=cache)

@@ -31,7 +31,10 @@ MINIMAL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next", "qwen4_exp")
+# The families mlx-lm runs (its own model classes: quantization, grafting, KV bits and batching
+# are tested over these), and every family this server loads.
+MLX_LM_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
+FAMILIES = MLX_LM_FAMILIES + ("qwen4_exp",)
 
 VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -112,7 +115,7 @@ def tiny_text_config(family: str, **overrides) -> dict:
 def tiny_qwen4_exp_text_config(**overrides) -> dict:
     """Every part of qwen4_exp at toy size: 4 streams, GatedDeltaNet layers 1 and 3 with PLE
     (orders 2-3, 2 heads each, ~1k-row prime tables in 4 shards), indexed attention on layers
-    2 and 4 choosing 2 blocks of 2 keys (so queries past position 5 attend sparsely), 8 experts
+    2 and 4 (8 index heads, so block scores rarely tie at zero) choosing 2 blocks of 2 keys (so queries past position 5 attend sparsely), 8 experts
     top 2 with a shared expert."""
     c = dict(
         hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -126,7 +129,7 @@ def tiny_qwen4_exp_text_config(**overrides) -> dict:
         norm_topk_prob=True, hc_count=4, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32,
         ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
         make_ngram_vocab_size_divisible_by=128, seed=1234, split_ngram_parts=4,
-        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
+        indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
         eos_token_id=257,
     )
     c.update(overrides)
@@ -197,8 +200,8 @@ def _unflatten(flat: dict):
     return tree_unflatten(list(flat.items()))
 
 
-def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: float = 0.6, n_likely: int = 4, seed: int = 1,
-                   also_likely: tuple = ()) -> None:
+def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: Optional[float] = None, n_likely: int = 4,
+                   seed: int = 1, also_likely: tuple = ()) -> None:
     """Make a random head agree with the backbone often, but not always.
 
     Every layer's output projections (attention, GatedDeltaNet, MLP) are scaled
@@ -209,13 +212,21 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
     Only `n_likely` tokens get large LM-head rows, so both choose among a few;
     `also_likely` ids join them (e.g. EOS, for replies that end after a few sampled tokens).
     """
+    if mix is None:  # qwen4_exp's blocks add to 4 streams and the streams are normed before the LM head
+        mix = 0.2 if family == "qwen4_exp" else 0.6
     lm = model if family == "qwen3_next" else model.language_model
     modules = list(lm.model.layers) + (list(head.layers) if head is not None else [])
-    if family == "qwen4_exp":  # the mixers are the pre-norms; the head's norm matches no final norm
-        modules += [l.ple for l in lm.model.layers if l.has_ple]
+    if family == "qwen4_exp":  # PLE adds to the streams too; the final mixer becomes a plain mean of normed streams
+        for layer in lm.model.layers:
+            if layer.has_ple:  # its conv reads normed values: scaled here, not through value_proj
+                layer.ple.conv_weight = layer.ple.conv_weight * mix * 0.1
+                layer.ple.value_proj.weight = layer.ple.value_proj.weight * 0.1
+        mixer = lm.model.hyper_connection_mixer
+        mixer.input_mix_weight_up.weight = mx.zeros_like(mixer.input_mix_weight_up.weight)
+        mixer.hc_norm.weight = mx.ones_like(mixer.hc_norm.weight)
     for layer in modules:
         for name, sub in layer.named_modules():
-            if name.endswith(("o_proj", "out_proj", "down_proj", "value_proj")) and hasattr(sub, "weight"):
+            if name.endswith(("o_proj", "out_proj", "down_proj")) and hasattr(sub, "weight"):
                 sub.weight = sub.weight * mix
     if head is not None:
         H = head.fc.weight.shape[0]
