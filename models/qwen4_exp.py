@@ -629,7 +629,7 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
         if k.endswith(".ple.conv1d.weight"):
             k, v = k[: -len("conv1d.weight")] + "conv_weight", v.reshape(v.shape[0], -1)
         if _SHIFTED.search(k) and v.ndim == 1:
-            v = v + 1.0
+            v = v.astype(mx.float32) + 1.0  # in float32 as transformers does: a bf16 1 + w would round
         out[k] = v
     for p, parts in shards.items():
         out[p + ".weight"] = mx.concatenate([parts[i] for i in sorted(parts)], axis=0)

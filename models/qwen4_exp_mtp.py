@@ -49,9 +49,11 @@ class Qwen4ExpMTPModel(MTPModel):
     def make_cache(self) -> List[Any]:
         return [Qwen4ExpGDNCache(ple=l.has_ple) if l.is_linear else qwen4_exp.IndexedKVCache() for l in self.layers]
 
+    kv_bits_unsupported = qwen4_exp.unsupported("quantized KV (--kv-bits)").args[0]
+
     def use_kv(self, kv: KVSetting) -> None:
         if kv.quantized:
-            raise ValueError(qwen4_exp.unsupported("quantized KV (--kv-bits)").args[0])
+            raise ValueError(self.kv_bits_unsupported)
         self.kv = kv
 
     def kv_attention(self) -> str:
@@ -67,6 +69,9 @@ class Qwen4ExpMTPModel(MTPModel):
 
     def ngram_table_bytes(self) -> int:
         return qwen4_exp.ngram_table_bytes(self.inner)
+
+    def memory_note(self) -> str:
+        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB; "
 
     def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
                 embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:

@@ -1,0 +1,177 @@
+"""qwen4_exp (Qwen3.8-Flash-Next): the project's own backbone against transformers' forward,
+its caches' rollback, and the parts that refuse until they are built.
+
+The goldens (tests/data/qwen4_exp_golden.npz) are transformers' `Qwen4ExpForCausalLM` logits
+(float32, eager attention) on the committed tiny checkpoint tests/data/qwen4_exp_tiny, written by
+tests/support/make_qwen4_exp_golden.py (torch is needed only to regenerate them).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_serve.models import qwen4_exp
+from mtp_serve.models.caches import keep_verified, set_capture
+from mtp_serve.models.loader import CheckpointError, load_model, load_weights
+from mtp_serve.testing.synthetic import write_synthetic_checkpoint
+
+DATA = Path(__file__).parent / "data"
+CKPT = DATA / "qwen4_exp_tiny"
+# float32 on both sides; measured max |diff| 2.4e-7 on logits of size ~0.8
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return np.load(DATA / "qwen4_exp_golden.npz")
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    config = json.loads((CKPT / "config.json").read_text())
+    model = qwen4_exp.build(config)
+    body = {k: v.astype(mx.float32) for k, v in load_weights(CKPT).items() if not k.startswith("mtp.")}
+    model.load_weights(list(model.sanitize(body).items()), strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(str(CKPT), dtype="float32")
+
+
+@pytest.mark.parametrize("prompt", ["a", "b"])
+def test_prefill_logits_match_transformers(prompt, golden, lm):
+    tokens = mx.array(golden[f"{prompt}_tokens"])[None]
+    _, logits = lm.model.forward(tokens, lm.model.make_cache())
+    np.testing.assert_allclose(np.array(logits[0]), golden[f"{prompt}_prefill"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("prompt", ["a", "b"])
+def test_chunked_and_stepwise_logits_match_transformers_with_its_cache(prompt, golden, lm):
+    """Fed in chunks of 1-7 tokens, as transformers was with its cache: the PLE n-gram and
+    conv windows, the GatedDeltaNet states and the indexer's keys carry across calls."""
+    tokens, cache, out, start = mx.array(golden[f"{prompt}_tokens"])[None], lm.model.make_cache(), [], 0
+    for n in golden[f"{prompt}_chunks"].tolist():
+        out.append(np.array(lm.model.forward(tokens[:, start : start + n], cache)[1][0]))
+        start += n
+    np.testing.assert_allclose(np.concatenate(out), golden[f"{prompt}_steps"], atol=ATOL, rtol=0)
+
+
+def test_the_golden_prompts_exercise_every_part(golden, backbone):
+    """The comparison would catch a missing part: the indexer leaves some queries a strict
+    subset of their causal keys, the prompt crosses an EOS, and dropping PLE or the indexer
+    moves the logits far past the tolerance."""
+    tokens = mx.array(golden["a_tokens"])[None]
+    assert 257 in golden["a_tokens"].tolist()
+    attn = next(l.self_attn for l in backbone.layers if not l.is_linear)
+    x = mx.random.normal((1, tokens.shape[1], backbone.args.hidden_size), key=mx.random.key(0))
+    sel = attn.indexer.selection(x, 0, None)[0, 0]
+    causal = mx.tril(mx.ones(sel.shape, mx.bool_))
+    assert bool(mx.all(sel <= causal)) and int(sel.sum()) < int(causal.sum())
+    base = np.array(backbone(tokens)[0])
+    owners = {"indexer": [l.self_attn for l in backbone.layers if not l.is_linear],
+              "ple": [l for l in backbone.layers if l.has_ple]}
+    for part, modules in owners.items():
+        saved = [m[part] for m in modules]
+        for m in modules:
+            del m[part]
+        try:
+            assert np.abs(np.array(backbone(tokens)[0]) - base).max() > 100 * ATOL, part
+        finally:
+            for m, s in zip(modules, saved):
+                m[part] = s
+
+
+def test_top_blocks_breaks_ties_toward_recent_blocks():
+    scores = mx.array([[0.0, 0.0, 0.0, 0.9], [0.5, 0.0, 0.2, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    got = qwen4_exp.top_blocks(scores, 2).tolist()
+    assert got == [[False, False, True, True], [True, False, True, False], [False, False, True, True]]
+
+
+def test_ngram_table_rows_are_prime_sized_per_head():
+    args = qwen4_exp.Qwen4ExpArgs.from_config(json.loads((CKPT / "config.json").read_text()))
+    sizes = qwen4_exp.head_vocab_sizes(args.ngram_vocab_size_base, 0, 8)
+    assert sizes[:3] == [1009, 1013, 1019] and all(qwen4_exp._is_prime(s) for s in sizes)
+    assert qwen4_exp.ngram_table_rows(args, 0) % args.make_ngram_vocab_size_divisible_by == 0
+
+
+@pytest.mark.parametrize("kept", [1, 2, 4])
+def test_a_rejected_verify_rolls_every_state_back_to_plain_steps(kept, lm):
+    """A captured verify of 4 tokens cut at `kept`: the GatedDeltaNet state, the PLE n-gram and
+    conv windows and the indexed KV (with the indexer's keys) equal those of plain steps over
+    the kept tokens, and the next logits match bit for bit."""
+    model = lm.model
+    prompt, window, nxt = [5, 17, 257, 3, 42, 7, 9, 250, 11], [12, 13, 14, 15], 99
+    spec, plain = model.make_cache(), model.make_cache()
+    model.forward(mx.array([prompt]), spec)
+    model.forward(mx.array([prompt]), plain)
+    set_capture(spec, True)
+    model.forward(mx.array([window]), spec)
+    set_capture(spec, False)
+    keep_verified(spec, [kept], len(window))
+    for t in window[:kept]:
+        model.forward(mx.array([[t]]), plain)
+    for a, b in zip(spec, plain):
+        if isinstance(a, qwen4_exp.IndexedKVCache):
+            n = a.offset
+            assert n == b.offset == len(prompt) + kept
+            for x, y in [(a.keys[:, :, :n], b.keys[:, :, :n]), (a.values[:, :, :n], b.values[:, :, :n]),
+                         (a.index_keys[:, :n], b.index_keys[:, :n])]:
+                assert mx.allclose(x, y, atol=1e-6)
+        else:
+            for x, y in zip(a.cache, b.cache):
+                assert mx.allclose(x, y, atol=1e-6)
+            if a.ple is not None:
+                assert mx.array_equal(a.ple.ngram, b.ple.ngram) and mx.allclose(a.ple.conv, b.ple.conv, atol=1e-6)
+    la = model.forward(mx.array([[nxt]]), spec)[1]
+    lb = model.forward(mx.array([[nxt]]), plain)[1]
+    assert mx.allclose(la, lb, atol=1e-5)
+
+
+def test_start_up_line_reports_the_ngram_tables(lm):
+    args = lm.model.text.args
+    rows = qwen4_exp.ngram_table_rows(args, 0) + qwen4_exp.ngram_table_rows(args, 1)
+    assert lm.model.ngram_table_bytes() == rows * 8 * 4  # two PLE layers of 8-wide rows, float32
+    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 32 / 2**20:.1f} MiB; "
+    assert lm.mtp_status == "MTP on"
+
+
+def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):
+    with pytest.raises(ValueError, match="qwen4_exp: quantized KV .* is not supported yet"):
+        from mtp_serve.models.caches import KVSetting
+
+        lm.model.use_kv(KVSetting(bits=8))
+    with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
+        lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
+    assert "batched decoding is not supported yet" in lm.model.batching_unsupported
+    from mtp_serve.engine.prompt_cache.setup import PromptCacheUnavailable, check_round_trip
+
+    with pytest.raises(PromptCacheUnavailable, match="qwen4_exp: the prompt cache is not supported yet"):
+        check_round_trip(lm.model)
+    # a quantized (mlx-community) body
+    q = tmp_path / "q"
+    shutil.copytree(CKPT, q)
+    extra = {"model.language_model.layers.0.mlp.gate.scales": mx.zeros((8, 1))}
+    mx.save_safetensors(str(q / "extra.safetensors"), extra)
+    index = json.loads((q / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "extra.safetensors" for k in extra})
+    (q / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="qwen4_exp: a quantized .* is not supported yet"):
+        load_model(str(q))
+
+
+def test_the_synthetic_family_writes_every_part(tmp_path):
+    path = write_synthetic_checkpoint(tmp_path / "c", "qwen4_exp")
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    assert config["model_type"] == "qwen4_exp" and text["ple_layer_ids"] and text["indexer_n_heads"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".ngram_embedding.shard_3." in k for k in index)
+    assert any(".self_attn.indexer.index_qk_proj." in k for k in index)
+    assert any(k.startswith("mtp.") for k in index) and index["mtp.fc.weight"] == "mtp.safetensors"
+    assert "hyper_connection_mixer" in " ".join(index)
