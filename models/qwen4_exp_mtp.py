@@ -36,10 +36,10 @@ class Qwen4ExpGDNCache(SpeculativeGDNCache):
 
 
 class Qwen4ExpMTPModel(MTPModel):
-    # Why the engine must not batch rows or reuse prompt caches of this family (batched rows
-    # and snapshots would drop the indexer's keys and the PLE windows).
+    # Why the engine must not batch rows of this family or keep its snapshots on disk (batched
+    # rows and snapshot files would drop the indexer's keys and the PLE windows).
     batching_unsupported = qwen4_exp.unsupported("batched decoding").args[0]
-    prompt_cache_unsupported = qwen4_exp.unsupported("the prompt cache").args[0]
+    prompt_cache_disk_unsupported = qwen4_exp.unsupported("the prompt cache's disk tier").args[0]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -149,10 +149,12 @@ def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):
     with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
         lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
     assert "batched decoding is not supported yet" in lm.model.batching_unsupported
-    from mtp_serve.engine.prompt_cache.setup import PromptCacheUnavailable, check_round_trip
+    from mtp_serve.engine.prompt_cache.setup import check_round_trip, open_prompt_cache
 
-    with pytest.raises(PromptCacheUnavailable, match="qwen4_exp: the prompt cache is not supported yet"):
-        check_round_trip(lm.model)
+    check_round_trip(lm.model)  # the memory tier snapshots and restores every state
+    cache = open_prompt_cache(lm, "m", max_bytes=1 << 20, disk_dir=str(tmp_path / "disk"))
+    assert cache is not None and cache.disk is None  # the disk tier refuses (logged by name)
+    assert "disk tier is not supported yet" in lm.model.prompt_cache_disk_unsupported
     # a quantized (mlx-community) body
     q = tmp_path / "q"
     shutil.copytree(CKPT, q)
