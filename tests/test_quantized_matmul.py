@@ -39,7 +39,7 @@ from mtp_serve.models.quantized_layers import (
     project,
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
-from mtp_serve.testing.synthetic import MLX_LM_FAMILIES
+from mtp_serve.testing.synthetic import FAMILIES, MLX_LM_FAMILIES
 from support.native import needs_qmm_kernel
 
 REL_TOL = 2e-5
@@ -470,7 +470,7 @@ needs_row_invariance = pytest.mark.skipif(
 
 @needs_kernel
 @needs_row_invariance
-@pytest.mark.parametrize("family,bits,mode", [(f, b, m) for f in MLX_LM_FAMILIES for b in (4, 8) for m in ("int8", "exact")])
+@pytest.mark.parametrize("family,bits,mode", [(f, b, m) for f in FAMILIES for b in (4, 8) for m in ("int8", "exact")])
 def test_greedy_mtp_identical_to_plain_quantized(family, bits, mode, quantized):
     """Both numerics, with the preloaded OpenBLAS: greedy MTP (depths 1 and 3, and batched) gives
     plain decoding's tokens exactly. int8 rounds x, so any difference between a verify window and
