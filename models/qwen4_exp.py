@@ -597,8 +597,10 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
     layout, zero-centred norms shifted. The vision tower and MTP tensors must be split off before."""
     if any(k.startswith(("model.visual.", "visual.", "vision_tower.")) for k in weights):
         raise unsupported("the vision tower")
-    if any(k.endswith(".scales") for k in weights):
-        raise unsupported("a quantized (mlx-community) body")
+    if weights and all(k.startswith("language_model.") for k in weights):
+        return weights  # this module's own layout (`mtp-convert`'s output): already sanitized, maybe quantized
+    if any(k.endswith((".scales", ".weight_scale_inv", ".weight_scale", ".qweight")) for k in weights):
+        raise unsupported("a quantized Hugging Face body (convert the original with mtp-convert)")
     out: Dict[str, mx.array] = {}
     shards: Dict[str, dict] = {}
     experts: Dict[str, dict] = {}

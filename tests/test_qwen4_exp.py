@@ -206,3 +206,40 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
     assert "MTP on, depth 2" in log and "PLE n-gram tables 0.3 MiB" in log
     assert "qwen4_exp: batched decoding is not supported yet: requests run one at a time" in log
     assert "qwen4_exp: the prompt cache's disk tier is not supported yet; keeping snapshots in memory only" in log
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mtp_convert_keeps_the_head_and_quantized_greedy_mtp_equals_plain(bits, checkpoint_dir, tmp_path):
+    """mtp-convert (the family's own converter: mlx-lm has no model for it) writes the body in
+    this project's layout, quantized, with the head grafted unquantized; the result loads and
+    greedy MTP gives plain decoding's tokens. mtp-graft puts a removed head back."""
+    from mtp_serve.cli import convert, graft
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+
+    src = checkpoint_dir("qwen4_exp", agreeable=True)
+    out = tmp_path / "conv"
+    assert convert.main(["--hf-path", str(src), "--mlx-path", str(out), "-q", "--q-bits", str(bits),
+                         "--q-group-size", "32", "--no-verify"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.endswith(".scales") and not k.startswith("mtp.") for k in index)
+    assert any(k.startswith("mtp.") for k in index) and not any(k.startswith("mtp.") and k.endswith(".scales") for k in index)
+    lm = load_model(str(out))
+    assert lm.mtp_status == "MTP on" and json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+
+    def greedy(prompt, depth):
+        return [t for c in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=32, ignore_eos=True),
+                                    depth=depth) for t in c.token_ids]
+
+    for prompt in ([5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 100, 3))):
+        plain = greedy(prompt, 0)
+        assert greedy(prompt, 1) == plain and greedy(prompt, 3) == plain
+
+    # mtp-graft: the head removed (as stock converters drop it) and grafted back
+    (out / "mtp.safetensors").unlink()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_model(str(out)).mtp_status.startswith("MTP off")
+    assert graft.main(["--from", str(src), "--into", str(out), "--no-verify"]) == 0
+    assert load_model(str(out)).mtp_status == "MTP on"
