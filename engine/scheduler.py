@@ -82,10 +82,6 @@ class Scheduler(SchedulerLike):
     ):
         self.model = model
         self.tokenizer = tokenizer
-        refused = getattr(model, "batching_unsupported", None)  # a family whose caches cannot be batched yet
-        if refused and max_batch_size > 1:
-            log.warning("%s: requests run one at a time", refused)
-            max_batch_size = 1
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.prompt_cache = prompt_cache

@@ -148,7 +148,6 @@ def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):
         lm.model.use_kv(KVSetting(bits=8))
     with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
         lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
-    assert "batched decoding is not supported yet" in lm.model.batching_unsupported
     from mtp_serve.engine.prompt_cache.setup import check_round_trip, open_prompt_cache
 
     check_round_trip(lm.model)  # the memory tier snapshots and restores every state
@@ -182,8 +181,8 @@ def test_the_synthetic_family_writes_every_part(tmp_path):
 @pytest.mark.e2e
 def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tmp_path):
     """`mtp-serve --model DIR --enable-mtp` on the raw HF layout: the start-up line reports MTP
-    and the n-gram tables, requests run one at a time (batching refuses by name), the prompt
-    cache keeps its memory tier, and greedy replies with MTP equal those without it."""
+    and the n-gram tables, the prompt cache keeps its memory tier, and greedy replies with MTP
+    equal those without it, also while requests run together in a batch."""
     import httpx
 
     from mtp_serve.testing.server_process import ServerProcess
@@ -204,7 +203,6 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
         log = server.stop()
     assert replies[0] == replies[2] == replies[3] and replies[0]
     assert "MTP on, depth 2" in log and "PLE n-gram tables 0.3 MiB" in log
-    assert "qwen4_exp: batched decoding is not supported yet: requests run one at a time" in log
     assert "qwen4_exp: the prompt cache's disk tier is not supported yet; keeping snapshots in memory only" in log
 
 

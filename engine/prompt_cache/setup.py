@@ -81,9 +81,6 @@ def _probe(model) -> Tuple[RowCaches, mx.array]:
 
 def snapshot_costs(model) -> SnapshotCosts:
     """Measured on a two-token forward."""
-    refused = getattr(model, "prompt_cache_unsupported", None)  # a family whose caches cannot be snapshot yet
-    if refused:
-        raise PromptCacheUnavailable(refused)
     probe, owed = _probe(model)
     state, per_token = 0, 0
     for c in probe.backbone + ([probe.head] if probe.head is not None else []):
@@ -99,9 +96,6 @@ def check_round_trip(model) -> None:
     raises PromptCacheUnavailable, naming the step and the error, where this model's caches
     cannot be snapshot or restored (a cache that would never hit is refused at start-up,
     not discovered one request at a time)."""
-    refused = getattr(model, "prompt_cache_unsupported", None)  # a family whose caches cannot be snapshot yet
-    if refused:
-        raise PromptCacheUnavailable(refused)
     probe, owed = _probe(model)
     trial = PromptCache(max_bytes=1 << 30, kv=model.kv)
     try:
