@@ -17,7 +17,7 @@ import mlx.core as mx
 from mtp_serve.backend import blas_threads_for
 
 from . import qwen4_exp
-from .caches import FULL_KV, KVSetting, SpeculativeGDNCache
+from .caches import KVSetting, SpeculativeGDNCache
 from .mtp_model import MTPModel
 from .rope_positions import RopePositions
 
