@@ -183,6 +183,8 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
     """`mtp-serve --model DIR --enable-mtp` on the raw HF layout: the start-up line reports MTP
     and the n-gram tables, the prompt cache keeps its memory tier, and greedy replies with MTP
     equal those without it, also while requests run together in a batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     from mtp_serve.testing.server_process import ServerProcess
@@ -190,18 +192,24 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
     path = checkpoint_dir("qwen4_exp", agreeable=True)
     with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2", "--max-batch-size", "4",
                         "--prompt-cache-bytes", "64M", "--prompt-cache-dir", tmp_path / "pc"]) as server:
-        replies = {}
-        for depth in (0, 2, 3):
-            body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24, "temperature": 0,
+        def ask(content, depth):
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
                     "mtp_depth": depth}
             r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
-            replies[depth] = r.json()["choices"][0]["message"]["content"]
+            return r.json()["choices"][0]["message"]["content"]
+
+        replies = {depth: ask("hello there", depth) for depth in (0, 2, 3)}
+        questions = ["hello there", "what is 2+2?", "write a haiku about rain"]
+        alone = [ask(q, 0) for q in questions]
+        with ThreadPoolExecutor(len(questions)) as pool:  # together: batched rounds
+            together = list(pool.map(lambda q: ask(q, 2), questions))
         stream = httpx.post(server.base_url + "/completions", json={"prompt": "abc", "max_tokens": 8, "stream": True},
                             timeout=120)
         assert stream.status_code == 200 and "data: [DONE]" in stream.text
         log = server.stop()
     assert replies[0] == replies[2] == replies[3] and replies[0]
+    assert together == alone
     assert "MTP on, depth 2" in log and "PLE n-gram tables 0.3 MiB" in log
     assert "qwen4_exp: the prompt cache's disk tier is not supported yet; keeping snapshots in memory only" in log
 
