@@ -249,3 +249,24 @@ def test_mtp_convert_keeps_the_head_and_quantized_greedy_mtp_equals_plain(bits, 
     assert load_model(str(out)).mtp_status.startswith("MTP off")
     assert graft.main(["--from", str(src), "--into", str(out), "--no-verify"]) == 0
     assert load_model(str(out)).mtp_status == "MTP on"
+
+
+def test_a_checkpoint_with_a_vision_tower_is_served_text_only(tmp_path, caplog):
+    """The tower is not built yet: its tensors are left unread, with a warning naming the part,
+    and an image request is refused by name instead of running without the image."""
+    path = tmp_path / "v"
+    shutil.copytree(CKPT, path)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"] = {"model_type": "qwen4_exp_vision", "depth": 1, "hidden_size": 16}
+    (path / "config.json").write_text(json.dumps(config))
+    tower = {"model.visual.blocks.0.attn.qkv.weight": mx.zeros((48, 16))}
+    mx.save_safetensors(str(path / "visual.safetensors"), tower)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "visual.safetensors" for k in tower})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level("WARNING"):
+        lm = load_model(str(path))
+    assert "qwen4_exp: the vision tower is not supported yet; serving text only" in caplog.text
+    assert lm.model.vision is None and lm.mtp_status == "MTP on"
+    with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
+        lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
