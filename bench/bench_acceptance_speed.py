@@ -1,11 +1,12 @@
 """Speed against acceptance at real shapes: what MTP gives at a known acceptance, and
 how close that is to what the measured costs allow.
 
-    python bench/bench_acceptance_speed.py [--shapes 0.8b 2b 4b] [--acceptance 0.5 0.7 0.9]
+    python bench/bench_acceptance_speed.py [--shapes 0.8b 2b 4b flash-next] [--acceptance 0.5 0.7 0.9]
                                            [--depths 1 2 3 4] [--tokens 48] [--draft-vocab 0 32768]
 
 Random-weight models with the layer shapes of Qwen3.5-0.8B, 2B and 4B (fp32, the
-real 248,320-token vocabulary, tied embeddings) decode greedily. A benchmark-only
+real 248,320-token vocabulary, tied embeddings), or Qwen3.8-Flash-Next's scaled to fit
+(`flash-next`: qwen4_exp, the project's own backbone), decode greedily. A benchmark-only
 oracle (a wrapper around the round's `draft` step in this process: nothing the
 server can reach) lets the real head run, then replaces each drafted token with the
 model's own greedy continuation with probability a, else with a wrong token; so
@@ -30,7 +31,8 @@ from common import pc  # noqa: I001  (first: sets up the backend, OpenBLAS, befo
 
 import mlx.core as mx
 
-from cost_model import QWEN35_VOCAB, cost_ratios, measure_costs, qwen35_08b_text, random_mtp_model
+from cost_model import (QWEN35_VOCAB, cost_ratios, flash_next_text, measure_costs, qwen35_08b_text, random_mtp_model,
+                        random_qwen4_exp_model)
 import mtp_serve.engine.speculative as speculative
 from mtp_serve import BACKEND
 from mtp_serve.engine.generator import generate
@@ -47,7 +49,10 @@ SHAPES = {
                          linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=256, full_attention_interval=4,
                          vocab_size=V, tie_word_embeddings=True, rope_parameters=ROPE),
+    # Qwen3.8-Flash-Next (qwen4_exp) scaled to fit (cost_model.flash_next_text says how)
+    "flash-next": flash_next_text,
 }
+BUILD = {"flash-next": random_qwen4_exp_model}
 
 
 @contextmanager
@@ -115,7 +120,7 @@ class Tok:
 
 def run_shape(name: str, args) -> list:
     t0 = pc()
-    model = random_mtp_model(SHAPES[name](QWEN35_VOCAB))
+    model = BUILD.get(name, random_mtp_model)(SHAPES[name](QWEN35_VOCAB))
     lm = type("LM", (), {"model": model, "tokenizer": Tok()})()
     calibrate_blas_threads(model, lm.tokenizer)
     prompt = mx.random.randint(0, QWEN35_VOCAB, (64,), key=mx.random.key(1)).tolist()

@@ -171,6 +171,43 @@ def random_mtp_model(text_overrides: dict):
     return MTPModel(model, model.language_model, head, load_card("qwen3_5"), "qwen3_5")
 
 
+def flash_next_text(vocab: int) -> dict:
+    """Qwen3.8-Flash-Next's shapes (hidden 2048, 4 streams, 512 experts top 10 with a shared
+    expert, GatedDeltaNet 16k/32v heads x128, attention 16q/2kv x256 with the QSA indexer)
+    scaled to fit the 2-core machine's 24 GiB in fp32: 8 of its 40 layers (6 GatedDeltaNet,
+    2 indexed attention), 64 of the 512 experts, PLE on 2 layers with n-gram tables of
+    16 x ~50k rows (the real ones are 16 x ~20M), hc_lowrank 320."""
+    from mtp_serve.testing.synthetic import tiny_qwen4_exp_text_config
+
+    return tiny_qwen4_exp_text_config(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, vocab_size=vocab,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10]},
+        num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        hc_count=4, hc_lowrank=320, ple_layer_ids=[1, 5], ple_embed_dim=2048, heads_per_ngram=8,
+        ngram_vocab_size_base=50_000, split_ngram_parts=4, indexer_n_heads=16, indexer_head_dim=128,
+        indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=248044)
+
+
+def random_qwen4_exp_model(text: dict):
+    """A random qwen4_exp MTPModel (fp32) with these text-config values."""
+    from mtp_serve.models.gdn import install_capturing_gdn
+    from mtp_serve.models.model_card import load_card
+    from mtp_serve.models.qwen4_exp_mtp import Qwen4ExpMTPModel
+    from mtp_serve.testing.synthetic import build_random
+
+    model, head, _ = build_random("qwen4_exp", text)
+    fp32(model)
+    fp32(head)
+    mx.eval(model.parameters(), head.parameters())
+    install_capturing_gdn(model.layers)
+    model.eval()
+    head.eval()
+    return Qwen4ExpMTPModel(model, model.language_model, head, load_card("qwen4_exp"), "qwen4_exp")
+
+
 def run_cost_model(args) -> dict:
     shapes = []
     vocab = args.cost_vocab

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mtp_serve  # noqa: E402,F401  (before mlx.core)
-from mtp_serve.testing.synthetic import FAMILIES, write_synthetic_checkpoint  # noqa: E402
+from mtp_serve.testing.synthetic import MLX_LM_FAMILIES, write_synthetic_checkpoint  # noqa: E402
 from mtp_serve.models.loader import load_model  # noqa: E402
 from test_greedy_identity import N_TOKENS, PROMPTS, mtp_greedy, reference_greedy  # noqa: E402
 from test_sampled_exactness import N_POS, chi2_pvalue, sample_many  # noqa: E402
@@ -29,7 +29,7 @@ SAMPLING = (
 
 
 def greedy_report(root: str) -> None:
-    for family in FAMILIES:
+    for family in MLX_LM_FAMILIES:
         for agreeable in (False, True):
             path = write_synthetic_checkpoint(f"{root}/{family}-{agreeable}", family, agreeable=agreeable)
             lm = load_model(str(path))

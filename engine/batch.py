@@ -18,6 +18,7 @@ from typing import Any, List, Optional
 import mlx.core as mx
 
 from mtp_serve.models.caches import SpeculativeGDNCache, merge_kv
+from mtp_serve.models.qwen4_exp_mtp import holds_rows, merge_rows
 from mtp_serve.models.rope_positions import RopePositions
 
 from .image_prompt import row_delta
@@ -33,7 +34,11 @@ def _merge_layer(caches: List[Any]) -> Any:
 
 
 def _merge(rows: List[RowCaches]) -> RowCaches:
-    backbone = [_merge_layer(list(layer)) for layer in zip(*(r.backbone for r in rows))]
+    layers = [list(layer) for layer in zip(*(r.backbone for r in rows))]
+    if holds_rows(rows[0].backbone):  # qwen4_exp: its backbone runs row by row
+        backbone = merge_rows(layers)
+    else:
+        backbone = [_merge_layer(layer) for layer in layers]
     head = _merge_layer([r.head for r in rows]) if rows[0].head is not None else None
     return RowCaches(backbone, head)
 

@@ -406,7 +406,7 @@ def set_capture(cache: List[Any], on: bool) -> None:
 def trim_per_row(cache: Any, rejected: List[int]) -> None:
     """Drop the last `rejected[i]` entries of row i of an attention cache: a batched
     one per row (holes), a single-sequence one (one row) by moving its end."""
-    if isinstance(cache, RollbackBatchKVCache):
+    if isinstance(cache, RollbackBatchKVCache) or hasattr(cache, "trim_rows"):  # (or qwen4_exp's RowsKVCache)
         cache.trim_rows(rejected)
     elif rejected[0]:
         cache.trim(rejected[0])

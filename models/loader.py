@@ -1,4 +1,4 @@
-"""Load a Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoint together with its MTP head.
+"""Load a Qwen3.5 / Qwen3.6 / Qwen3-Next / Qwen3.8-Flash-Next checkpoint together with its MTP head.
 
 Stock mlx-lm globs `model*.safetensors` and drops every `mtp.*` tensor. Here
 shards are resolved through `model.safetensors.index.json` (so an MTP shard
@@ -6,7 +6,8 @@ such as `mtp.safetensors` is found; a shard's tensors the index assigns
 elsewhere or not at all are ignored), the backbone goes through mlx-lm's own
 `sanitize` and classes, and the head's tensors are renamed for `MTPHead` by
 `mtp_weights.py`, the one place that knows their quirks. Both raw Hugging
-Face layout and mlx-lm converted layout load.
+Face layout and mlx-lm converted layout load. `qwen4_exp` (Qwen3.8-Flash-Next) has no
+mlx-lm model: its backbone is the project's own (`models/qwen4_exp.py`), raw HF layout only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from .mlx_lm_compat import (
 from .model_card import ModelCard, load_card
 from .quantized_layers import install_decode_qmm
 from .mtp_head import MTPHead
+from . import qwen4_exp
 from .mtp_model import MTPModel
+from .qwen4_exp_mtp import Qwen4ExpMTPModel
 from .mtp_source import graft_command
 from .mtp_weights import (
     RAW,
@@ -56,7 +59,7 @@ from .vision import load_vision
 
 log = logging.getLogger("mtp_serve.loader")
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md", "tokenizer.model", "*.tiktoken"]
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "resolve_model_path", "empty_head"]
 
@@ -157,6 +160,12 @@ def _build(config: dict) -> Tuple[nn.Module, nn.Module, type]:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "qwen4_exp":
+        try:
+            model = qwen4_exp.build(config)
+        except (qwen4_exp.Unsupported, TypeError, KeyError) as e:
+            raise CheckpointError(f"{e}") from e
+        return model, model.language_model, Qwen35DecoderLayer
     model_class, args_class = get_model_classes(config)
     model = model_class(args_class.from_dict(config))
     if model_type == "qwen3_next":
@@ -165,7 +174,8 @@ def _build(config: dict) -> Tuple[nn.Module, nn.Module, type]:
 
 
 def _head(text: nn.Module, decoder_cls: type, card: Optional[ModelCard] = None) -> MTPHead:
-    return MTPHead(text.args, decoder_cls, embedding_first=card is None or card.mtp_concat == "embedding_first")
+    args = qwen4_exp.head_args(vars(text.args)) if isinstance(text.args, qwen4_exp.Qwen4ExpArgs) else text.args
+    return MTPHead(args, decoder_cls, embedding_first=card is None or card.mtp_concat == "embedding_first")
 
 
 def empty_head(config: dict) -> Tuple[MTPHead, nn.Module]:
@@ -195,7 +205,17 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     raw_hf = is_raw_hf_layout(backbone_w)
     quantization = config.get("quantization") or text_config(config).get("quantization")
 
-    backbone_w = model.sanitize(backbone_w)
+    if config["model_type"] == "qwen4_exp":
+        vision_w = {k: v for k, v in backbone_w.items() if k.startswith(("model.visual.", "visual.", "vision_tower."))}
+        if vision_w:
+            log.warning("%s: %s; serving text only", path, qwen4_exp.unsupported("the vision tower"))
+            backbone_w = {k: v for k, v in backbone_w.items() if k not in vision_w}
+        try:
+            backbone_w = model.sanitize(backbone_w)
+        except qwen4_exp.Unsupported as e:
+            raise CheckpointError(f"{path}: {e}") from e
+    else:
+        backbone_w = model.sanitize(backbone_w)
     _quantize_like_weights(model, backbone_w, quantization)
     _load_strict(model, backbone_w, "backbone", path)
     install_capturing_gdn(text.model.layers)
@@ -239,8 +259,13 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
 
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-    mtp_model = MTPModel(model, text, head, card, config["model_type"])
-    if split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
+    model_cls = Qwen4ExpMTPModel if config["model_type"] == "qwen4_exp" else MTPModel
+    mtp_model = model_cls(model, text, head, card, config["model_type"])
+    if config["model_type"] == "qwen4_exp":
+        if split is not None:
+            raise CheckpointError(f"{path}: {qwen4_exp.unsupported('distributed serving')}")
+        log.info("%s: PLE n-gram tables %.1f MiB", path, mtp_model.ngram_table_bytes() / 2**20)
+    elif split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
         mtp_model.vision = load_vision(config, weights, path, target)
     del weights
     if head is not None:

@@ -72,9 +72,11 @@ _require(_base, ["create_attention_mask", "create_ssm_mask", "scaled_dot_product
 _require(_cache, ["KVCache", "BatchKVCache", "ArraysCache", "QuantizedKVCache"], "mlx_lm.models.cache")
 _require(_sample_utils, ["apply_top_k", "apply_top_p", "apply_min_p"], "mlx_lm.sample_utils")
 _require(_tokenizer_utils.BPEStreamingDetokenizer, ["_maybe_trim_space"], "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer")
-_require(qwen3_5, ["GatedDeltaNet", "DecoderLayer"], "mlx_lm.models.qwen3_5")
+_require(qwen3_5, ["GatedDeltaNet", "DecoderLayer", "TextModelArgs"], "mlx_lm.models.qwen3_5")
 _require(qwen3_next, ["Qwen3NextGatedDeltaNet", "Qwen3NextDecoderLayer", "Qwen3NextAttention", "Qwen3NextMLP",
-                     "Qwen3NextRMSNormGated"], "mlx_lm.models.qwen3_next")
+                     "Qwen3NextRMSNormGated", "Qwen3NextSparseMoeBlock"], "mlx_lm.models.qwen3_next")
+# qwen4_exp (models/qwen4_exp.py) builds its MoE block from mlx-lm's Qwen3-Next one.
+_require_init_fields(qwen3_next.Qwen3NextSparseMoeBlock, ["gate", "switch_mlp", "shared_expert", "shared_expert_gate"])
 
 _require(_cache.BatchKVCache, ["merge", "extend", "filter", "extract", "trim", "make_mask", "update_and_fetch"], "BatchKVCache")
 _require_init_fields(_cache.BatchKVCache, ["_idx", "left_padding", "offset", "keys", "values"])
@@ -147,6 +149,7 @@ apply_min_p = _sample_utils.apply_min_p
 
 Qwen35GatedDeltaNetBase = qwen3_5.GatedDeltaNet
 Qwen35DecoderLayer = qwen3_5.DecoderLayer
+Qwen35TextModelArgs = qwen3_5.TextModelArgs
 Qwen3NextGatedDeltaNetBase = qwen3_next.Qwen3NextGatedDeltaNet
 Qwen3NextDecoderLayer = qwen3_next.Qwen3NextDecoderLayer
 Qwen3NextAttention = qwen3_next.Qwen3NextAttention
@@ -178,6 +181,7 @@ def shard_decoder_layers(layers, group) -> None:
                                   language_model=SimpleNamespace(args=SimpleNamespace(tie_word_embeddings=True)))
     qwen3_5.Model.shard(only_layers, group)
 Qwen3NextMLP = qwen3_next.Qwen3NextMLP
+Qwen3NextSparseMoeBlock = qwen3_next.Qwen3NextSparseMoeBlock
 Qwen3NextRMSNormGated = qwen3_next.Qwen3NextRMSNormGated
 SwiGLU = _switch_layers.SwiGLU
 swiglu = _activations.swiglu

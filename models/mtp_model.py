@@ -94,6 +94,10 @@ class MTPModel:
         itemsize = self.inner.norm.weight.dtype.size
         return 2 * layers * args.num_key_value_heads * self.kv.bytes_per_vector(args.head_dim, itemsize)
 
+    def memory_note(self) -> str:
+        """What the start-up line adds about this model's memory ("" or a clause ending in "; ")."""
+        return ""
+
     def use_draft_vocab(self, ids: Optional[List[int]]) -> None:
         """Draft from these token ids only (None: the whole vocabulary)."""
         if ids is None:

@@ -33,7 +33,7 @@ from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.models.caches import FULL_KV, KVSetting
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded
-from mtp_serve.testing.synthetic import FAMILIES
+from mtp_serve.testing.synthetic import MLX_LM_FAMILIES
 
 P = [5, 17, 99, 3, 42, 7, 250, 11, 64, 30]
 N = 48
@@ -101,7 +101,7 @@ def assert_copies_exact(lm, label):
         assert stats.copy_accepted > 0, f"{label}: no copy landed ({stats.copy_drafted} drafted)"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_greedy_copies_equal_plain_on_every_family(family, loaded):
     assert_copies_exact(loaded(family, agreeable=True), family)
 

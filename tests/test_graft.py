@@ -20,7 +20,7 @@ from mtp_serve.models.graft import graft
 from mtp_serve.models.loader import CheckpointError, load_model
 from mtp_serve.models.mtp_source import graft_command
 from mtp_serve.models.mtp_weights import RAW, SHIFTED, detect_norm_format, is_norm_key
-from mtp_serve.testing.synthetic import FAMILIES
+from mtp_serve.testing.synthetic import MLX_LM_FAMILIES
 
 EXPERTS = {"qwen3_5": "none", "qwen3_5_moe": "per_expert", "qwen3_6_moe": "fused", "qwen3_next": "per_expert"}
 
@@ -59,7 +59,7 @@ def target(tmp_path, checkpoint_dir, stock_converted):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["plain", "q4"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_grafted_model_decodes_as_the_raw_checkpoint(family, quantize, target, checkpoint_dir):
     """Stock mlx-lm conversion + graft == the project loading the raw checkpoint at the
     same body precision: same greedy tokens, same acceptance per draft position."""

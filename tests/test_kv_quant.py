@@ -35,7 +35,7 @@ from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
 from mtp_serve.models.mlx_lm_compat import quantized_scaled_dot_product_attention, scaled_dot_product_attention
 from mtp_serve.testing.server_process import ServerProcess
-from mtp_serve.testing.synthetic import FAMILIES
+from mtp_serve.testing.synthetic import MLX_LM_FAMILIES
 from support.native import needs_qmm_kernel
 
 GROUP = 32
@@ -163,7 +163,7 @@ def test_settings_are_checked_and_counted():
 
 
 @pytest.mark.parametrize("kv_setting", SETTINGS, ids=IDS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_greedy_mtp_equals_plain_single_and_batched(family, kv_setting, at):
     lm = at(family, kv_setting)
     prompts = {"a": [5, 17, 99, 3, 42, 7, 250, 11], "b": list(range(30, 130, 3)), "c": [200] * 5 + [201, 202]}

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.models.loader import CheckpointError, load_model
-from mtp_serve.testing.synthetic import FAMILIES, build_random, tiny_text_config
+from mtp_serve.testing.synthetic import MLX_LM_FAMILIES, build_random, tiny_text_config
 
 
 def _params(module):
@@ -28,7 +28,7 @@ def _assert_same(a, b):
         assert mx.array_equal(a[k], b[k]).item(), k
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
 def test_hf_layout_round_trip(family, checkpoint_dir):
     """Raw HF layout (sharded body, separate mtp.safetensors, zero-centred norms,
     per-expert or fused MTP experts) loads to exactly the source weights: the +1

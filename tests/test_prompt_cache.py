@@ -40,6 +40,11 @@ def state_after(cache, tokens):
     """The state stored after `tokens` (the snapshot the scheduler takes after a prompt)."""
     caches, owed = materialize(cache.by_key[snapshot_key(tokens)], cache.blocks)
     arrays = [a for c in caches.backbone for a in (c.state[:2] if hasattr(c, "keys") else c.cache)]
+    for c in caches.backbone:  # qwen4_exp: the indexer's keys, the PLE windows
+        if getattr(c, "index_keys", None) is not None:
+            arrays.append(c.index_keys[:, : c.offset])
+        if getattr(c, "ple", None) is not None:
+            arrays += [c.ple.ngram, c.ple.conv]
     return arrays + list(caches.head.state[:2]) + [owed]
 
 
@@ -54,10 +59,11 @@ def disk_tier(lm, root, max_bytes=1 << 30, name="m"):
     return DiskTier(root, name, fp, max_bytes, tuple(layer.is_linear for layer in lm.model.layers))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen4_exp"])
 def test_restored_state_equals_a_cold_prefill(family, loaded):
     """Conversation B starts from the snapshot conversation A left at the end of the shared
-    prefix: every cache (backbone KV, GatedDeltaNet states, the head's KV and owed hiddens)
+    prefix: every cache (backbone KV, GatedDeltaNet states, qwen4_exp's indexer keys and PLE
+    windows, the head's KV and owed hiddens)
     ends up bit for bit as a cold prefill leaves it, so B's tokens, drafts and acceptance
     equal the cold run's."""
     lm = loaded(family, agreeable=True)

@@ -39,7 +39,7 @@ from mtp_serve.models.quantized_layers import (
     project,
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
-from mtp_serve.testing.synthetic import FAMILIES
+from mtp_serve.testing.synthetic import FAMILIES, MLX_LM_FAMILIES
 from support.native import needs_qmm_kernel
 
 REL_TOL = 2e-5

@@ -45,16 +45,24 @@ def chi2_pvalue(a, b):
     return chi2_contingency(table)[1] if len(keys) > 1 else 1.0
 
 
-@pytest.mark.parametrize("params_kw", [
-    {"temperature": 1.0, "top_k": 3, "top_p": 0.95},
+SAMPLING = {
+    "topk-topp": {"temperature": 1.0, "top_k": 3, "top_p": 0.95},
     # Penalties see the drafted prefix as generated history; min-p filters after temperature.
-    {"temperature": 1.0, "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2},
+    "penalties-minp": {"temperature": 1.0, "min_p": 0.02, "presence_penalty": 0.5, "frequency_penalty": 1.0,
+                       "repetition_penalty": 1.2},
     # The bias is added before everything else, in the drafts' pipeline as in the target's.
-    {"temperature": 1.0, "top_k": 5, "logit_bias": ((9, 3.0), (40, 2.0), (77, 2.5), (100, -1.0))},
-], ids=["topk-topp", "penalties-minp", "logit-bias"])
+    "logit-bias": {"temperature": 1.0, "top_k": 5, "logit_bias": ((9, 3.0), (40, 2.0), (77, 2.5), (100, -1.0))},
+}
+# qwen4_exp (several minutes a case on the 2-core machine) with the first pipeline: its own
+# backbone and caches under both samplers; the sampling pipelines do not depend on the family.
+CASES = [("qwen3_5", name) for name in SAMPLING] + [("qwen4_exp", "topk-topp")]
+
+
+@pytest.mark.parametrize("family,sampling", CASES, ids=[f"{f}-{n}" for f, n in CASES])
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
-def test_mtp_sampling_matches_plain_distribution(params_kw, seeded, loaded):
-    lm = loaded("qwen3_5", agreeable=True)
+def test_mtp_sampling_matches_plain_distribution(family, sampling, seeded, loaded):
+    params_kw = SAMPLING[sampling]
+    lm = loaded(family, agreeable=True)
     plain, _ = sample_many(lm, 0, 0 if seeded else None, params_kw)
     mtp, (accepted, drafted) = sample_many(lm, 2, 10**6 if seeded else None, params_kw)
     assert accepted >= 50 and drafted - accepted >= 50, f"{accepted}/{drafted} accepted: accept and reject paths must both run"

@@ -137,6 +137,10 @@ def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, int
     if interval is None:
         interval = auto_interval(costs)
     disk = None
+    refused = getattr(model, "prompt_cache_disk_unsupported", None)
+    if disk_dir and refused:
+        log.warning("prompt cache: %s; keeping snapshots in memory only", refused)
+        disk_dir = None
     if disk_dir:
         folder = Path(disk_dir).expanduser()
         if disk_bytes is None:

@@ -9,7 +9,10 @@ What a snapshot of n tokens holds:
   by a hash chained over tokens[0 : (i+1)B], so equal names mean equal
   prefixes), plus its own tail past the last full block;
 - per GatedDeltaNet layer, the conv window and the recurrent state after the n
-  tokens (these cannot be cut back or shared: each snapshot has its own);
+  tokens (these cannot be cut back or shared: each snapshot has its own), and on a
+  qwen4_exp PLE layer its n-gram and conv windows as well;
+- on qwen4_exp's indexed attention layers, the indexer's keys with the keys and
+  values (a third part, blocked alike);
 - the owed backbone hiddens H[head_offset .. n-1], whose head entries need the
   next token (see `OwedPairs`).
 
@@ -35,6 +38,8 @@ import mlx.core as mx
 import numpy as np
 
 from mtp_serve.models.caches import FULL_KV, KVSetting, SpeculativeGDNCache, kv_concatenate, kv_length, kv_map, kv_nbytes
+from mtp_serve.models.qwen4_exp import IndexedKVCache
+from mtp_serve.models.qwen4_exp_mtp import Qwen4ExpGDNCache
 
 from ..sequence import RowCaches
 
@@ -100,7 +105,8 @@ class Snapshot:
     tokens: np.ndarray  # int32 [n]
     chain: List[str]  # block_hashes(tokens)
     linear: Tuple[bool, ...]  # per layer: GatedDeltaNet (else attention)
-    layers: List[Pair]  # per layer: (conv window, state), or the attention (keys, values) past the full blocks
+    layers: List[Pair]  # per layer: (conv window, state[, n-gram window, PLE conv window]), or the attention
+    # (keys, values[, indexer keys]) past the full blocks
     head_blocks: int  # leading blocks whose head entries are used (0 without a head)
     head_tail: Optional[Pair]  # head KV entries [head_start, head_offset); None: no head
     owed: Optional[mx.array]  # [1, n - head_offset, H]
@@ -195,9 +201,14 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     fresh: List[mx.array] = []
 
     def cut(c, start: int, end: int) -> Pair:
-        pair = tuple(_own(kv_map(lambda x: x[..., start:end, :], p)) for p in (c.keys, c.values))
+        parts = (c.keys, c.values) + ((c.index_keys,) if isinstance(c, IndexedKVCache) else ())
+        pair = tuple(_own(kv_map(lambda x: x[..., start:end, :], p)) for p in parts)
         fresh.extend(pair)
         return pair
+
+    def windows(c) -> tuple:
+        ple = getattr(c, "ple", None)  # a qwen4_exp PLE layer's n-gram and conv windows
+        return (_own(c[0]), _own(c[1])) + ((_own(ple.ngram), _own(ple.conv)) if ple is not None else ())
 
     for i, name in enumerate(chain):
         have = store.blocks.get(name)
@@ -207,7 +218,7 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
             store.add(name, Block(kv, cut(head, *head_span(i)) if needs_head else None))
     layers = []
     for c, lin in zip(caches.backbone, linear):
-        pair = (_own(c[0]), _own(c[1])) if lin else cut(c, full, n)
+        pair = windows(c) if lin else cut(c, full, n)
         fresh.extend(pair)
         layers.append(pair)
     head_tail = cut(head, head_span(head_blocks)[0] if head_blocks else 0, head_offset) if head is not None else None
@@ -216,15 +227,19 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     return Snapshot(toks, chain, linear, layers, head_blocks, head_tail, owed_copy, setting)
 
 
-def _kv_cache(parts: List[Any], values: List[Any], kv: KVSetting) -> Any:
-    """An attention cache at setting `kv` holding the concatenated parts, with a
-    step of free positions so the next update writes in place instead of reallocating."""
-    cache = kv.make()
+def _kv_cache(parts: List[Any], values: List[Any], kv: KVSetting, index: Optional[List[mx.array]] = None) -> Any:
+    """An attention cache at setting `kv` holding the concatenated parts (and, with `index`,
+    the QSA indexer's keys: an IndexedKVCache), with a step of free positions so the next
+    update writes in place instead of reallocating."""
+    cache = kv.make() if index is None else IndexedKVCache()
     room = cache.step
     k, v = kv_concatenate(parts), kv_concatenate(values)
     cache.offset = kv_length(k)
     pad = lambda x: mx.concatenate([x, mx.zeros(x.shape[:2] + (room,) + x.shape[3:], x.dtype)], axis=2)  # noqa: E731
     cache.keys, cache.values = kv_map(pad, k), kv_map(pad, v)
+    if index is not None:
+        i = mx.concatenate(index, axis=1)
+        cache.index_keys = mx.concatenate([i, mx.zeros((i.shape[0], room, i.shape[2]), i.dtype)], axis=1)
     return cache
 
 
@@ -233,12 +248,15 @@ def materialize(snap: Snapshot, store: BlockStore) -> Tuple[RowCaches, Optional[
     blocks = [store.blocks[name] for name in snap.chain]
     backbone: List[Any] = []
     j = 0  # attention layer index
-    for lin, (a, b) in zip(snap.linear, snap.layers):
+    for lin, (a, b, *extra) in zip(snap.linear, snap.layers):
         if lin:
-            c = SpeculativeGDNCache()
+            c = Qwen4ExpGDNCache(ple=True) if extra else SpeculativeGDNCache()
             c.cache = [a, b]  # never updated in place: the layer stores new arrays
+            if extra:
+                c.ple.ngram, c.ple.conv = extra
         else:
-            c = _kv_cache([blk.kv[j][0] for blk in blocks] + [a], [blk.kv[j][1] for blk in blocks] + [b], snap.kv)
+            index = [blk.kv[j][2] for blk in blocks] + extra if extra else None
+            c = _kv_cache([blk.kv[j][0] for blk in blocks] + [a], [blk.kv[j][1] for blk in blocks] + [b], snap.kv, index)
             j += 1
         backbone.append(c)
     head = None

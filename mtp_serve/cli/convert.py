@@ -59,8 +59,16 @@ def _convert(args) -> int:
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
     try:
         source = open_source(args.hf_path, args.revision)  # fails early on a source without a head
-        convert(args.hf_path, str(tmp), quantize=args.quantize, q_group_size=args.q_group_size, q_bits=args.q_bits,
-                q_mode=args.q_mode, dtype=args.dtype, revision=args.revision, quant_predicate=args.quant_predicate)
+        if source.config.get("model_type") == "qwen4_exp":  # no mlx-lm model: the project's own converter
+            from mtp_serve.models import qwen4_exp_convert
+
+            if args.quant_predicate:
+                raise ValueError("qwen4_exp: --quant-predicate is not supported yet (mlx-lm's recipes need its model)")
+            qwen4_exp_convert.convert(source.path, tmp, quantize=args.quantize, q_group_size=args.q_group_size,
+                                      q_bits=args.q_bits, q_mode=args.q_mode, dtype=args.dtype)
+        else:
+            convert(args.hf_path, str(tmp), quantize=args.quantize, q_group_size=args.q_group_size, q_bits=args.q_bits,
+                    q_mode=args.q_mode, dtype=args.dtype, revision=args.revision, quant_predicate=args.quant_predicate)
         vision = carry_vision(source, tmp, args.dtype)  # mlx-lm drops the tower; it stays unquantized
         result = graft(source, tmp, quantize_head=args.quantize_head, norms=args.norms)
         os.replace(tmp, out)

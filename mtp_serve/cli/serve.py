@@ -234,6 +234,8 @@ def main(argv=None) -> int:
 
     try:
         KVSetting(args.kv_bits, args.kv_group_size).check([loaded.model.text.args.head_dim])
+        if args.kv_bits and getattr(loaded.model, "kv_bits_unsupported", None):
+            raise ValueError(loaded.model.kv_bits_unsupported)
     except ValueError as e:
         return error(str(e))
     is_repo_id = bool(args.model) and not Path(args.model).expanduser().exists()
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
           f"tools {svc.chat.tool_parser}, reasoning {svc.chat.reasoning_parser}, context {svc.max_context}; "
           f"KV {loaded.model.kv} ({loaded.model.kv_bytes_per_token():,} bytes a token"
           f"{'; ' + loaded.model.kv_attention() if loaded.model.kv.quantized else ''}); "
-          f"{BACKEND.note}", flush=True)
+          f"{loaded.model.memory_note()}{BACKEND.note}", flush=True)
     for card in app.state.models.cards()[1:]:
         print(f"mtp-serve: also serving {card['id']}{' (aliases ' + ', '.join(card['aliases']) + ')' if card['aliases'] else ''} "
               f"({card['root'] or 'the demo model'}): {'loaded now' if card['loaded'] else 'loads on first use'}", flush=True)

@@ -110,3 +110,36 @@ def save_hf_checkpoint(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def qwen4_exp_hf_weights(model: nn.Module, head: Optional[nn.Module], split_ngram_parts: int) -> Dict[str, mx.array]:
+    """A `models.qwen4_exp.Model` (+ head) under the raw HF names transformers' Qwen4Exp
+    loads: fused experts, conv weights [C, 1, K], zero-centred norms, each n-gram table in
+    `split_ngram_parts` row shards (`ngram_embedding.shard_{i}.weight`)."""
+    from mtp_serve.models.qwen4_exp import _SHIFTED
+
+    out: Dict[str, mx.array] = {}
+    params = dict(tree_flatten(model.parameters()))
+    prefixes = sorted({k.split(".switch_mlp.")[0] for k in params if ".switch_mlp." in k})
+    for p in prefixes:
+        params.update(_experts_to_hf(p, params, fused=True))
+    for k, v in params.items():
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k.startswith("language_model."):
+            k = k[len("language_model."):]
+        if k.endswith("linear_attn.conv1d.weight"):
+            v = v.moveaxis(2, 1)
+        elif k.endswith(".ple.conv_weight"):
+            k, v = k[: -len("conv_weight")] + "conv1d.weight", v[:, None, :]
+        elif _SHIFTED.search(k) and v.ndim == 1:
+            v = v - 1.0
+        if k.endswith("ngram_embedding.weight"):
+            for i, part in enumerate(mx.split(v, split_ngram_parts, axis=0)):
+                out[k[: -len("weight")] + f"shard_{i}.weight"] = part
+            continue
+        out[k] = v
+    if head is not None:
+        mtp = _to_hf(dict(tree_flatten(head.parameters())), fused_experts=False)
+        out.update({f"mtp.{k}": v for k, v in mtp.items()})
+    return out

@@ -1,8 +1,9 @@
 """Small random-weight checkpoints in the real Hugging Face layout.
 
 For tests and benchmarks: nothing is downloaded, yet loading goes through the
-same loader as a real checkpoint. Four families: Qwen3.5 dense, Qwen3.5 MoE
-(per-expert MTP experts), Qwen3.6 MoE (fused MTP experts), Qwen3-Next.
+same loader as a real checkpoint. Five families: Qwen3.5 dense, Qwen3.5 MoE
+(per-expert MTP experts), Qwen3.6 MoE (fused MTP experts), Qwen3-Next, and
+Qwen3.8-Flash-Next (`qwen4_exp`: hyper-connections, PLE, the QSA indexer).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from mtp_serve.testing.hf_layout import hf_weights, save_hf_checkpoint
+from mtp_serve.testing.hf_layout import hf_weights, qwen4_exp_hf_weights, save_hf_checkpoint
 from mtp_serve.models.mtp_head import MTPHead
 
 QWEN_SPECIAL_TOKENS = [
@@ -30,7 +31,10 @@ MINIMAL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
+# The families mlx-lm runs (its own model classes: quantization, grafting, KV bits and batching
+# are tested over these), and every family this server loads.
+MLX_LM_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
+FAMILIES = MLX_LM_FAMILIES + ("qwen4_exp",)
 
 VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -108,7 +112,35 @@ def tiny_text_config(family: str, **overrides) -> dict:
     return c
 
 
+def tiny_qwen4_exp_text_config(**overrides) -> dict:
+    """Every part of qwen4_exp at toy size: 4 streams, GatedDeltaNet layers 1 and 3 with PLE
+    (orders 2-3, 2 heads each, ~1k-row prime tables in 4 shards), indexed attention on layers
+    2 and 4 (8 index heads, so block scores rarely tie at zero) choosing 2 blocks of 2 keys (so queries past position 5 attend sparsely), 8 experts
+    top 2 with a shared expert."""
+    c = dict(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, vocab_size=320, hidden_act="silu",
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0]},
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        norm_topk_prob=True, hc_count=4, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32,
+        ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=128, seed=1234, split_ngram_parts=4,
+        indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
+        eos_token_id=257,
+    )
+    c.update(overrides)
+    return c
+
+
 def hf_config(family: str, text: dict) -> dict:
+    if family == "qwen4_exp":
+        text = {**text, "model_type": "qwen4_exp_text", "mtp_num_hidden_layers": 1}
+        return {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp", "text_config": text,
+                "tie_word_embeddings": text["tie_word_embeddings"], "eos_token_id": text["eos_token_id"]}
     if family == "qwen3_next":
         return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **text}
     model_type = "qwen3_5" if family == "qwen3_5" else "qwen3_5_moe"
@@ -124,6 +156,8 @@ def build_random(family: str, text: dict, seed: int = 0, with_head: bool = True)
 
     config = hf_config(family, text)
     mx.random.seed(seed)
+    if family == "qwen4_exp":
+        return _build_random_qwen4_exp(config, with_head)
     model_cls, args_cls = get_model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     if family == "qwen3_next":
@@ -141,14 +175,33 @@ def build_random(family: str, text: dict, seed: int = 0, with_head: bool = True)
     return model, head, config
 
 
+def _build_random_qwen4_exp(config: dict, with_head: bool):
+    from mtp_serve.models import qwen4_exp
+    from mtp_serve.models.mlx_lm_compat import Qwen35DecoderLayer
+
+    model = qwen4_exp.build(config)
+    head = MTPHead(qwen4_exp.head_args(config), Qwen35DecoderLayer) if with_head else None
+    for m in [model] + ([head] if head is not None else []):
+        params = dict(tree_flatten(m.parameters()))
+        for k, v in params.items():
+            if (k.endswith("norm.weight") or "norm_" in k) and v.ndim == 1:  # away from 1: a lost shift shows
+                params[k] = v + 0.1 * mx.random.normal(v.shape)
+            elif k.endswith(("conv_weight", "dt_bias")):
+                params[k] = 0.5 * mx.random.normal(v.shape)
+            elif k.endswith("A_log"):
+                params[k] = mx.log(mx.random.uniform(0.5, 4.0, v.shape))
+        m.update(_unflatten(params))
+    return model, head, config
+
+
 def _unflatten(flat: dict):
     from mlx.utils import tree_unflatten
 
     return tree_unflatten(list(flat.items()))
 
 
-def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: float = 0.6, n_likely: int = 4, seed: int = 1,
-                   also_likely: tuple = ()) -> None:
+def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: Optional[float] = None, n_likely: int = 4,
+                   seed: int = 1, also_likely: tuple = ()) -> None:
     """Make a random head agree with the backbone often, but not always.
 
     Every layer's output projections (attention, GatedDeltaNet, MLP) are scaled
@@ -159,8 +212,18 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
     Only `n_likely` tokens get large LM-head rows, so both choose among a few;
     `also_likely` ids join them (e.g. EOS, for replies that end after a few sampled tokens).
     """
+    if mix is None:  # qwen4_exp's blocks add to 4 streams and the streams are normed before the LM head
+        mix = 0.2 if family == "qwen4_exp" else 0.6
     lm = model if family == "qwen3_next" else model.language_model
     modules = list(lm.model.layers) + (list(head.layers) if head is not None else [])
+    if family == "qwen4_exp":  # PLE adds to the streams too; the final mixer becomes a plain mean of normed streams
+        for layer in lm.model.layers:
+            if layer.has_ple:  # its conv reads normed values: scaled here, not through value_proj
+                layer.ple.conv_weight = layer.ple.conv_weight * mix * 0.1
+                layer.ple.value_proj.weight = layer.ple.value_proj.weight * 0.1
+        mixer = lm.model.hyper_connection_mixer
+        mixer.input_mix_weight_up.weight = mx.zeros_like(mixer.input_mix_weight_up.weight)
+        mixer.hc_norm.weight = mx.ones_like(mixer.hc_norm.weight)
     for layer in modules:
         for name, sub in layer.named_modules():
             if name.endswith(("o_proj", "out_proj", "down_proj")) and hasattr(sub, "weight"):
@@ -170,7 +233,7 @@ def make_agreeable(model: nn.Module, head: Optional[MTPHead], family: str, mix: 
         noise = 0.02 * mx.random.normal((H, 2 * H), key=mx.random.key(seed))
         head.fc.weight = mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1) + noise
         head.pre_fc_norm_embedding.weight = mx.ones((H,))
-        head.norm.weight = lm.model.norm.weight
+        head.norm.weight = mx.ones((H,)) if family == "qwen4_exp" else lm.model.norm.weight
     W = lm.lm_head.weight
     keep = mx.zeros((W.shape[0], 1))
     keep[mx.random.permutation(W.shape[0], key=mx.random.key(seed))[:n_likely]] = 1.0
@@ -266,18 +329,21 @@ def write_synthetic_checkpoint(
     replies end after a handful of tokens (agents' end-to-end tests)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}")
-    if vision and (family == "qwen3_next" or words):
+    if vision and (family in ("qwen3_next", "qwen4_exp") or words):
         raise ValueError("vision checkpoints are Qwen3.5/3.6 families with the byte tokenizer")
     out_dir = Path(out_dir)
     if vision and "rope_parameters" not in text_overrides:
         # 8 rotary dims = 4 frequencies, interleaved t h w t: every M-RoPE axis moves the logits.
         text_overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    text = tiny_text_config(family, **text_overrides)
+    text = tiny_qwen4_exp_text_config(**text_overrides) if family == "qwen4_exp" else tiny_text_config(family, **text_overrides)
     model, head, config = build_random(family, text, seed=seed, with_head=with_head)
     if agreeable:
         make_agreeable(model, head, family, also_likely=(text["eos_token_id"],) if likely_eos else ())
-    weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
+    if family == "qwen4_exp":
+        weights = qwen4_exp_hf_weights(model, head, text["split_ngram_parts"])
+    else:
+        weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
     if vision:
         vc = tiny_vision_config(text["hidden_size"], **(vision_overrides or {}))
         first = 256 + len(QWEN_SPECIAL_TOKENS)

@@ -1,0 +1,157 @@
+"""qwen4_exp as the engine sees it: `MTPModel` over the project's own backbone (models/qwen4_exp.py).
+
+The backbone's layers need the token ids (PLE) and carry several residual streams, so
+`forward` runs the model's own layer loop instead of mlx-lm's layers through the compiled
+and prefill paths; a batch runs row by row on the rows' own caches (`RowsCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
+state plus, with PLE, the n-gram and conv windows, all cut at the accepted length after
+a verify), an `IndexedKVCache` per attention layer (trimmed with the indexer's keys).
+Parts not built yet refuse with `qwen4_exp: <part> is not supported yet`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+
+from mtp_serve.backend import blas_threads_for
+
+from . import qwen4_exp
+from .caches import KVSetting, SpeculativeGDNCache
+from .mtp_model import MTPModel
+from .rope_positions import RopePositions
+
+
+class Qwen4ExpGDNCache(SpeculativeGDNCache):
+    """A GatedDeltaNet layer's cache plus its PLE windows (`ple`, None without PLE)."""
+
+    def __init__(self, left_padding: Optional[List[int]] = None, ple: bool = False):
+        super().__init__(left_padding)
+        self.ple = qwen4_exp.PLEState() if ple else None
+
+    def select(self, accepted_tokens) -> None:
+        if self.ple is not None:
+            self.ple.keep(accepted_tokens)
+        super().select(accepted_tokens)
+
+
+class Qwen4ExpMTPModel(MTPModel):
+    # Why the engine must not keep this family's snapshots on disk (the files would drop the
+    # indexer's keys and the PLE windows).
+    prompt_cache_disk_unsupported = qwen4_exp.unsupported("the prompt cache's disk tier").args[0]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compiled = None  # mlx-lm-layer paths; this backbone runs its own loop
+        self.prefill = None
+
+    def make_cache(self) -> List[Any]:
+        return [Qwen4ExpGDNCache(ple=l.has_ple) if l.is_linear else qwen4_exp.IndexedKVCache() for l in self.layers]
+
+    kv_bits_unsupported = qwen4_exp.unsupported("quantized KV (--kv-bits)").args[0]
+
+    def use_kv(self, kv: KVSetting) -> None:
+        if kv.quantized:
+            raise ValueError(self.kv_bits_unsupported)
+        self.kv = kv
+
+    def kv_attention(self) -> str:
+        return "decode attention: full precision"
+
+    def kv_bytes_per_token(self) -> int:
+        args = self.text.args
+        itemsize = self.inner.embed_tokens.weight.dtype.size
+        attn = sum(not l.is_linear for l in self.layers)
+        per = 2 * args.num_key_value_heads * args.head_dim + (args.indexer_head_dim or 0)
+        head = 2 * args.num_key_value_heads * args.head_dim if self.has_mtp else 0
+        return (attn * per + head) * itemsize
+
+    def ngram_table_bytes(self) -> int:
+        return qwen4_exp.ngram_table_bytes(self.inner)
+
+    def memory_note(self) -> str:
+        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB; "
+
+    def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
+                embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
+        if embeds is not None or rope is not None:
+            raise ValueError(qwen4_exp.unsupported("image input").args[0])
+        blas_threads_for(tokens.size)
+        if cache and isinstance(cache[0], RowsCache):  # a batch: each row on its own caches
+            h = mx.concatenate([self.inner(tokens[i : i + 1], [c.rows[i] for c in cache]) for i in range(tokens.shape[0])])
+        else:
+            h = self.inner(tokens, cache)
+        return h, self.lm_head(h[:, -1:] if last_logits else h)
+
+
+class RowsCache:
+    """One layer's caches for a batch of qwen4_exp rows, kept as the rows' own single-row
+    caches: the backbone runs each row on its own (`Qwen4ExpMTPModel.forward`), so a row's
+    numbers are those of its single-sequence decoding, and the indexer's block grouping and the
+    PLE windows need no padding or holes. The engine's batch operations act row by row."""
+
+    def __init__(self, rows: List[Any]):
+        self.rows = list(rows)
+
+    # -- the batch's operations (engine/batch.py)
+    def extend(self, other: "RowsCache") -> None:
+        self.rows += other.rows
+
+    def filter(self, batch_indices) -> None:
+        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        self.rows = [self.rows[i] for i in keep]
+
+    def extract(self, idx: int) -> Any:
+        return self.rows[idx]
+
+    @property
+    def state(self) -> list:
+        return [c.state for c in self.rows]
+
+
+class RowsGDNCache(RowsCache, SpeculativeGDNCache):
+    """GatedDeltaNet (and PLE) caches of the rows; a commit keeps each row's own length."""
+
+    def __init__(self, rows: List[Any]):
+        RowsCache.__init__(self, rows)
+        self._capturing = False
+
+    @property
+    def capturing(self) -> bool:
+        return self._capturing
+
+    @capturing.setter
+    def capturing(self, on: bool) -> None:
+        self._capturing = on
+        for c in getattr(self, "rows", []):
+            c.capturing = on
+
+    def select(self, accepted_tokens) -> None:
+        n = accepted_tokens if isinstance(accepted_tokens, int) else None
+        per_row = [n] * len(self.rows) if n is not None else accepted_tokens.tolist()
+        for c, k in zip(self.rows, per_row):
+            c.select(int(k))
+
+    @property
+    def state(self) -> list:
+        return [c.state for c in self.rows]
+
+
+class RowsKVCache(RowsCache):
+    """Indexed attention caches of the rows; a rejection trims each row by its own count."""
+
+    def trim_rows(self, rejected: List[int]) -> None:
+        for c, n in zip(self.rows, rejected):
+            if n:
+                c.trim(n)
+
+
+def merge_rows(layers: List[List[Any]]) -> List[RowsCache]:
+    """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as one
+    RowsCache."""
+    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexedKVCache) else RowsGDNCache(rs) for rs in layers]
+
+
+def holds_rows(caches: List[Any]) -> bool:
+    """Whether these backbone caches are qwen4_exp's (merged per row in a batch)."""
+    return any(isinstance(c, (qwen4_exp.IndexedKVCache, RowsCache)) for c in caches)

@@ -1,0 +1,272 @@
+"""qwen4_exp (Qwen3.8-Flash-Next): the project's own backbone against transformers' forward,
+its caches' rollback, and the parts that refuse until they are built.
+
+The goldens (tests/data/qwen4_exp_golden.npz) are transformers' `Qwen4ExpForCausalLM` logits
+(float32, eager attention) on the committed tiny checkpoint tests/data/qwen4_exp_tiny, written by
+tests/support/make_qwen4_exp_golden.py (torch is needed only to regenerate them).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_serve.models import qwen4_exp
+from mtp_serve.models.caches import keep_verified, set_capture
+from mtp_serve.models.loader import CheckpointError, load_model, load_weights
+from mtp_serve.testing.synthetic import write_synthetic_checkpoint
+
+DATA = Path(__file__).parent / "data"
+CKPT = DATA / "qwen4_exp_tiny"
+# float32 on both sides; measured max |diff| 2.4e-7 on logits of size ~0.8
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return np.load(DATA / "qwen4_exp_golden.npz")
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    config = json.loads((CKPT / "config.json").read_text())
+    model = qwen4_exp.build(config)
+    body = {k: v.astype(mx.float32) for k, v in load_weights(CKPT).items() if not k.startswith("mtp.")}
+    model.load_weights(list(model.sanitize(body).items()), strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(str(CKPT), dtype="float32")
+
+
+@pytest.mark.parametrize("prompt", ["a", "b"])
+def test_prefill_logits_match_transformers(prompt, golden, lm):
+    tokens = mx.array(golden[f"{prompt}_tokens"])[None]
+    _, logits = lm.model.forward(tokens, lm.model.make_cache())
+    np.testing.assert_allclose(np.array(logits[0]), golden[f"{prompt}_prefill"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("prompt", ["a", "b"])
+def test_chunked_and_stepwise_logits_match_transformers_with_its_cache(prompt, golden, lm):
+    """Fed in chunks of 1-7 tokens, as transformers was with its cache: the PLE n-gram and
+    conv windows, the GatedDeltaNet states and the indexer's keys carry across calls."""
+    tokens, cache, out, start = mx.array(golden[f"{prompt}_tokens"])[None], lm.model.make_cache(), [], 0
+    for n in golden[f"{prompt}_chunks"].tolist():
+        out.append(np.array(lm.model.forward(tokens[:, start : start + n], cache)[1][0]))
+        start += n
+    np.testing.assert_allclose(np.concatenate(out), golden[f"{prompt}_steps"], atol=ATOL, rtol=0)
+
+
+def test_the_golden_prompts_exercise_every_part(golden, backbone):
+    """The comparison would catch a missing part: the indexer leaves some queries a strict
+    subset of their causal keys, the prompt crosses an EOS, and dropping PLE or the indexer
+    moves the logits far past the tolerance."""
+    tokens = mx.array(golden["a_tokens"])[None]
+    assert 257 in golden["a_tokens"].tolist()
+    attn = next(l.self_attn for l in backbone.layers if not l.is_linear)
+    x = mx.random.normal((1, tokens.shape[1], backbone.args.hidden_size), key=mx.random.key(0))
+    sel = attn.indexer.selection(x, 0, None)[0, 0]
+    causal = mx.tril(mx.ones(sel.shape, mx.bool_))
+    assert bool(mx.all(sel <= causal)) and int(sel.sum()) < int(causal.sum())
+    base = np.array(backbone(tokens)[0])
+    owners = {"indexer": [l.self_attn for l in backbone.layers if not l.is_linear],
+              "ple": [l for l in backbone.layers if l.has_ple]}
+    for part, modules in owners.items():
+        saved = [m[part] for m in modules]
+        for m in modules:
+            del m[part]
+        try:
+            assert np.abs(np.array(backbone(tokens)[0]) - base).max() > 100 * ATOL, part
+        finally:
+            for m, s in zip(modules, saved):
+                m[part] = s
+
+
+def test_top_blocks_breaks_ties_toward_recent_blocks():
+    scores = mx.array([[0.0, 0.0, 0.0, 0.9], [0.5, 0.0, 0.2, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    got = qwen4_exp.top_blocks(scores, 2).tolist()
+    assert got == [[False, False, True, True], [True, False, True, False], [False, False, True, True]]
+
+
+def test_ngram_table_rows_are_prime_sized_per_head():
+    args = qwen4_exp.Qwen4ExpArgs.from_config(json.loads((CKPT / "config.json").read_text()))
+    sizes = qwen4_exp.head_vocab_sizes(args.ngram_vocab_size_base, 0, 8)
+    assert sizes[:3] == [1009, 1013, 1019] and all(qwen4_exp._is_prime(s) for s in sizes)
+    assert qwen4_exp.ngram_table_rows(args, 0) % args.make_ngram_vocab_size_divisible_by == 0
+
+
+@pytest.mark.parametrize("kept", [1, 2, 4])
+def test_a_rejected_verify_rolls_every_state_back_to_plain_steps(kept, lm):
+    """A captured verify of 4 tokens cut at `kept`: the GatedDeltaNet state, the PLE n-gram and
+    conv windows and the indexed KV (with the indexer's keys) equal those of plain steps over
+    the kept tokens, and the next logits match bit for bit."""
+    model = lm.model
+    prompt, window, nxt = [5, 17, 257, 3, 42, 7, 9, 250, 11], [12, 13, 14, 15], 99
+    spec, plain = model.make_cache(), model.make_cache()
+    model.forward(mx.array([prompt]), spec)
+    model.forward(mx.array([prompt]), plain)
+    set_capture(spec, True)
+    model.forward(mx.array([window]), spec)
+    set_capture(spec, False)
+    keep_verified(spec, [kept], len(window))
+    for t in window[:kept]:
+        model.forward(mx.array([[t]]), plain)
+    for a, b in zip(spec, plain):
+        if isinstance(a, qwen4_exp.IndexedKVCache):
+            n = a.offset
+            assert n == b.offset == len(prompt) + kept
+            for x, y in [(a.keys[:, :, :n], b.keys[:, :, :n]), (a.values[:, :, :n], b.values[:, :, :n]),
+                         (a.index_keys[:, :n], b.index_keys[:, :n])]:
+                assert mx.allclose(x, y, atol=1e-6)
+        else:
+            for x, y in zip(a.cache, b.cache):
+                assert mx.allclose(x, y, atol=1e-6)
+            if a.ple is not None:
+                assert mx.array_equal(a.ple.ngram, b.ple.ngram) and mx.allclose(a.ple.conv, b.ple.conv, atol=1e-6)
+    la = model.forward(mx.array([[nxt]]), spec)[1]
+    lb = model.forward(mx.array([[nxt]]), plain)[1]
+    assert mx.allclose(la, lb, atol=1e-5)
+
+
+def test_start_up_line_reports_the_ngram_tables(lm):
+    args = lm.model.text.args
+    rows = qwen4_exp.ngram_table_rows(args, 0) + qwen4_exp.ngram_table_rows(args, 1)
+    assert lm.model.ngram_table_bytes() == rows * 8 * 4  # two PLE layers of 8-wide rows, float32
+    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 32 / 2**20:.1f} MiB; "
+    assert lm.mtp_status == "MTP on"
+
+
+def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):
+    with pytest.raises(ValueError, match="qwen4_exp: quantized KV .* is not supported yet"):
+        from mtp_serve.models.caches import KVSetting
+
+        lm.model.use_kv(KVSetting(bits=8))
+    with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
+        lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
+    from mtp_serve.engine.prompt_cache.setup import check_round_trip, open_prompt_cache
+
+    check_round_trip(lm.model)  # the memory tier snapshots and restores every state
+    cache = open_prompt_cache(lm, "m", max_bytes=1 << 20, disk_dir=str(tmp_path / "disk"))
+    assert cache is not None and cache.disk is None  # the disk tier refuses (logged by name)
+    assert "disk tier is not supported yet" in lm.model.prompt_cache_disk_unsupported
+    # a quantized (mlx-community) body
+    q = tmp_path / "q"
+    shutil.copytree(CKPT, q)
+    extra = {"model.language_model.layers.0.mlp.gate.scales": mx.zeros((8, 1))}
+    mx.save_safetensors(str(q / "extra.safetensors"), extra)
+    index = json.loads((q / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "extra.safetensors" for k in extra})
+    (q / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="qwen4_exp: a quantized .* is not supported yet"):
+        load_model(str(q))
+
+
+def test_the_synthetic_family_writes_every_part(tmp_path):
+    path = write_synthetic_checkpoint(tmp_path / "c", "qwen4_exp")
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    assert config["model_type"] == "qwen4_exp" and text["ple_layer_ids"] and text["indexer_n_heads"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".ngram_embedding.shard_3." in k for k in index)
+    assert any(".self_attn.indexer.index_qk_proj." in k for k in index)
+    assert any(k.startswith("mtp.") for k in index) and index["mtp.fc.weight"] == "mtp.safetensors"
+    assert "hyper_connection_mixer" in " ".join(index)
+
+
+@pytest.mark.e2e
+def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tmp_path):
+    """`mtp-serve --model DIR --enable-mtp` on the raw HF layout: the start-up line reports MTP
+    and the n-gram tables, the prompt cache keeps its memory tier, and greedy replies with MTP
+    equal those without it, also while requests run together in a batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from mtp_serve.testing.server_process import ServerProcess
+
+    path = checkpoint_dir("qwen4_exp", agreeable=True)
+    with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2", "--max-batch-size", "4",
+                        "--prompt-cache-bytes", "64M", "--prompt-cache-dir", tmp_path / "pc"]) as server:
+        def ask(content, depth):
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
+                    "mtp_depth": depth}
+            r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        replies = {depth: ask("hello there", depth) for depth in (0, 2, 3)}
+        questions = ["hello there", "what is 2+2?", "write a haiku about rain"]
+        alone = [ask(q, 0) for q in questions]
+        with ThreadPoolExecutor(len(questions)) as pool:  # together: batched rounds
+            together = list(pool.map(lambda q: ask(q, 2), questions))
+        stream = httpx.post(server.base_url + "/completions", json={"prompt": "abc", "max_tokens": 8, "stream": True},
+                            timeout=120)
+        assert stream.status_code == 200 and "data: [DONE]" in stream.text
+        log = server.stop()
+    assert replies[0] == replies[2] == replies[3] and replies[0]
+    assert together == alone
+    assert "MTP on, depth 2" in log and "PLE n-gram tables 0.3 MiB" in log
+    assert "qwen4_exp: the prompt cache's disk tier is not supported yet; keeping snapshots in memory only" in log
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mtp_convert_keeps_the_head_and_quantized_greedy_mtp_equals_plain(bits, checkpoint_dir, tmp_path):
+    """mtp-convert (the family's own converter: mlx-lm has no model for it) writes the body in
+    this project's layout, quantized, with the head grafted unquantized; the result loads and
+    greedy MTP gives plain decoding's tokens. mtp-graft puts a removed head back."""
+    from mtp_serve.cli import convert, graft
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+
+    src = checkpoint_dir("qwen4_exp", agreeable=True)
+    out = tmp_path / "conv"
+    assert convert.main(["--hf-path", str(src), "--mlx-path", str(out), "-q", "--q-bits", str(bits),
+                         "--q-group-size", "32", "--no-verify"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.endswith(".scales") and not k.startswith("mtp.") for k in index)
+    assert any(k.startswith("mtp.") for k in index) and not any(k.startswith("mtp.") and k.endswith(".scales") for k in index)
+    lm = load_model(str(out))
+    assert lm.mtp_status == "MTP on" and json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+
+    def greedy(prompt, depth):
+        return [t for c in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=32, ignore_eos=True),
+                                    depth=depth) for t in c.token_ids]
+
+    for prompt in ([5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 100, 3))):
+        plain = greedy(prompt, 0)
+        assert greedy(prompt, 1) == plain and greedy(prompt, 3) == plain
+
+    # mtp-graft: the head removed (as stock converters drop it) and grafted back
+    (out / "mtp.safetensors").unlink()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_model(str(out)).mtp_status.startswith("MTP off")
+    assert graft.main(["--from", str(src), "--into", str(out), "--no-verify"]) == 0
+    assert load_model(str(out)).mtp_status == "MTP on"
+
+
+def test_a_checkpoint_with_a_vision_tower_is_served_text_only(tmp_path, caplog):
+    """The tower is not built yet: its tensors are left unread, with a warning naming the part,
+    and an image request is refused by name instead of running without the image."""
+    path = tmp_path / "v"
+    shutil.copytree(CKPT, path)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"] = {"model_type": "qwen4_exp_vision", "depth": 1, "hidden_size": 16}
+    (path / "config.json").write_text(json.dumps(config))
+    tower = {"model.visual.blocks.0.attn.qkv.weight": mx.zeros((48, 16))}
+    mx.save_safetensors(str(path / "visual.safetensors"), tower)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "visual.safetensors" for k in tower})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level("WARNING"):
+        lm = load_model(str(path))
+    assert "qwen4_exp: the vision tower is not supported yet; serving text only" in caplog.text
+    assert lm.model.vision is None and lm.mtp_status == "MTP on"
+    with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
+        lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
