@@ -89,7 +89,7 @@ def test_convert_round_trip_on_the_demo_model(tmp_path, stock_converted):
     out = cli("convert", "--hf-path", DEMO_MODEL_DIR, "--mlx-path", out_dir, "-q", "--q-bits", "4", "--q-group-size", "32",
               "--tune-tokens", "16", "--tune-repeats", "1", "--max-depth", "2")
     assert out.returncode == 0, out.stderr
-    assert "head stays bfloat16" in out.stdout and "verdict: " in out.stdout
+    assert "head is stored bfloat16" in out.stdout and "verdict: " in out.stdout
     rows = {line.split()[0] + line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("depth ")}
     assert rows.keys() == {"depth1", "depth2"} and all(r.endswith("3/3") for r in rows.values())  # greedy = plain
 

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
         print(json.dumps({
             "model": str(lm.path),
             "mtp": lm.mtp_status,
+            "drafts": lm.model.drafts_note() if lm.model.has_mtp else None,
             "backend": BACKEND.note,
             "text": "".join(text),
             "token_ids": ids,
