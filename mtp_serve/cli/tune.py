@@ -369,7 +369,7 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     out(f"verdict: {v.text}")
     for note in v.notes:
         out(f"note: {note}")
-    if v.broken and lm.model.draft_vocab is not None:
+    if v.broken and lm.model.draft_vocab is not None and choice is None:  # a choice measured the whole vocabulary too
         out(f"note: drafts came from {lm.model.draft_vocab.size} tokens only; a draft vocabulary measured on text "
             "unlike the model's output also gives this: try --draft-vocab 0")
     if save:
