@@ -3,6 +3,7 @@ model's defaults choose against the head as stored over the whole vocabulary.
 
     python bench/bench_draft_rounds.py --build DIR        # a 0.8B-shaped 4-bit model, as a user makes one
     python bench/bench_draft_rounds.py DIR [--depths 3 7] [--repeats 2] [--tokens 64]
+    python bench/bench_draft_rounds.py DIR --parts      # where a draft's time goes, per setting
 
 `--build DIR` writes a random-weight checkpoint with Qwen3.5-0.8B's shapes (the real
 248,320-token vocabulary, bf16) to DIR/hf, converts it with stock `mlx_lm convert -q`
@@ -15,6 +16,11 @@ Then, alternating in one run: plain decoding (`--no-mtp`), and at each fixed dep
 cost is its decode time per backbone pass over a plain step's (best of the repeats);
 on random weights nothing is accepted, so a round is its K drafts plus one verify
 window of K+1 tokens.
+
+`--parts` loads DIR in this process and times, in plain steps (medians): a T=4 window,
+and one draft by part (the head's layer with its embedding and norms, the LM head over
+the draft vocabulary, the whole draft with its argmax) for the head as stored, at 8 and
+at 4 bits, each over the whole vocabulary and its 32,768 and 16,384 most frequent tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import mtp_serve  # noqa: F401  (backend set-up before mlx)
 
 PROMPT = "def merge_sorted(a, b):"
 
@@ -51,6 +59,66 @@ def run(model: str, tokens: int, args: list) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def parts(model_dir: str, reps: int = 15) -> None:
+    import time
+
+    import mlx.core as mx
+
+    from mtp_serve.models.draft_head import group_size_of, quantized_head
+    from mtp_serve.models.draft_vocab import load_draft_ids, tokenizer_order
+    from mtp_serve.models.loader import load_model
+
+    lm = load_model(model_dir, draft_vocab=0, draft_head_bits=0)
+    m = lm.model
+    ids = load_draft_ids(lm.path, m.vocab_size) or tokenizer_order(m.vocab_size)
+    cache, head_cache = m.make_cache(), m.make_head_cache()
+    prompt = mx.array([list(range(1, 9))])
+    h, _ = m.forward(prompt, cache)
+    hd, _ = m.draft(h[:, :4], prompt[:, 1:5], head_cache)
+    hd = hd[:, -1:]
+    mx.eval(hd)
+
+    def median(fn) -> float:
+        for _ in range(3):
+            fn()
+        xs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
+        return sorted(xs)[reps // 2]
+
+    def window(T):
+        def f():
+            mx.eval(m.forward(mx.array([[5] * T]), cache)[1])
+            for c in cache:
+                c.trim(T)
+        return f
+
+    def head_layer():
+        mx.eval(m.head_pass(hd, mx.array([[9]]), head_cache))
+        head_cache.trim(1)
+
+    def whole_draft():
+        _, logits = m.draft(hd, mx.array([[9]]), head_cache)
+        mx.eval(m.draft_argmax(logits[:, -1]))
+        head_cache.trim(1)
+
+    step = median(window(1))
+    print(f"load average {os.getloadavg()[0]:.2f}; plain step {step * 1e3:.1f} ms; T=4 window {median(window(4)) / step:.2f} steps")
+    print("| head | draft vocabulary | head layer | LM head | whole draft (plain steps) |")
+    print("|---|---|---|---|---|")
+    full = m.head
+    group = group_size_of(lm.config.get("quantization") or lm.config.get("text_config", {}).get("quantization"))
+    for bits in (0, 8, 4):
+        m.head = full if bits == 0 else quantized_head(full, bits, group)
+        for n in (0, 32768, 16384):
+            m.use_draft_vocab(ids[:n] if n else None)
+            lm_head = median(lambda: mx.eval(m.draft_logits(hd)))
+            print(f"| {f'{bits}-bit' if bits else 'as stored'} | {n or 'whole'} | {median(head_layer) / step:.3f} | "
+                  f"{lm_head / step:.3f} | {median(whole_draft) / step:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?")
@@ -58,7 +126,11 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[3, 7])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--parts", action="store_true")
     a = ap.parse_args()
+    if a.parts:
+        parts(a.model)
+        return
     if a.build:
         print(f"built {build(a.build)}")
         return
