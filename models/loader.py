@@ -242,7 +242,10 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
         install_decode_qmm([model, head])
     bits = card.draft_head_bits if draft_head_bits is None else draft_head_bits
     if head is not None and bits and not head_is_quantized(head):
-        head = quantized_head(head, bits, group_size_of(quantization))  # the unquantized head is freed
+        if split is None:
+            head = quantized_head(head, bits, group_size_of(quantization))  # the unquantized head is freed
+        else:  # a split head's layers are sharded modules: it drafts as stored
+            log.warning("%s: split across ranks: the MTP head drafts as stored (draft_head_bits %d is off)", path, bits)
 
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
