@@ -1,8 +1,8 @@
 """The MTP head quantized for drafting: cheap drafts beside a quantized body.
 
 A grafted head is stored unquantized (the graft is lossless), so next to a 4-bit
-body its decoder layer alone reads about a fifth of a plain step per draft at
-Qwen3.5-0.8B's shapes. Exactness does not depend on the head's precision (the
+body its decoder layer alone costs about a tenth of a plain step per draft at
+Qwen3.5-0.8B's shapes (at 4 bits: a third of that). Exactness does not depend on the head's precision (the
 verify pass decides every token), only acceptance does, so the head may draft
 from a quantized copy: `draft_head_bits` in the model's `mtp_serve.json` (which
 `mtp-tune` writes after measuring acceptance against the unquantized head).
