@@ -10,7 +10,10 @@ then the q of the rejection test.
 
 The list lives with the checkpoint: `draft_vocab.json`, token ids most frequent
 first, measured once on text (`measure_draft_vocab`, or `mtp-tune
---draft-vocab-text FILE`); its size in use is a setting (`--draft-vocab N`).
+--draft-vocab-text FILE`) or, without text, the tokenizer's own order
+(`tokenizer_order`, what `mtp-tune` writes by default for a quantized body); its
+size in use is a setting (`--draft-vocab N`, or `draft_vocab_size` as `mtp-tune`
+chose it).
 """
 
 from __future__ import annotations
@@ -76,6 +79,16 @@ def measure_draft_vocab(encode, texts: Iterable[str], always: Iterable[int] = ()
         counts.update(encode(text))
     first = list(dict.fromkeys(always))
     return first + [t for t, _ in counts.most_common() if t not in set(first)]
+
+
+def tokenizer_order(vocab_size: int, always: Iterable[int] = ()) -> List[int]:
+    """Every id in the tokenizer's own order, `always` first: a byte-pair vocabulary is
+    numbered in the order its merges were learned, most frequent first, so this is a
+    frequency ranking of the tokenizer's training text (the fallback when no text of
+    the user's was measured)."""
+    first = [t for t in dict.fromkeys(always) if 0 <= t < vocab_size]
+    seen = set(first)
+    return first + [t for t in range(vocab_size) if t not in seen]
 
 
 def save_draft_vocab(model_dir: Path, ids: List[int], source: str) -> Path:

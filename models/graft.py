@@ -103,8 +103,8 @@ def graft(
         head = _quantize(head, config, quantization)
         warnings.append(f"the head was quantized to {quantization['bits']} bits (--quantize-head): {QUANTIZED_HEAD_WARNING}")
     elif quantization:
-        warnings.append(f"the body is quantized ({quantization.get('bits')}-bit) and the head stays {dtype} "
-                        "(intended: quantized heads lose most of their acceptance)")
+        warnings.append(f"the body is quantized ({quantization.get('bits')}-bit) and the head is stored {dtype}; "
+                        "mtp-tune chooses the precision it drafts at by measuring acceptance")
     tensors = {f"mtp.{k}": v for k, v in head.items()}
     result = GraftResult("grafted", target, src, norm_format, expert_format(split_mtp_weights(src.tensors)[1]),
                          dtype, len(tensors), quantize_head, warnings)

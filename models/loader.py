@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from mtp_serve import BACKEND
 
+from .draft_head import group_size_of, head_is_quantized, quantized_head
 from .draft_vocab import DRAFT_VOCAB_FILE, load_draft_ids
 from .gdn import install_capturing_gdn
 from .mlx_lm_compat import (
@@ -187,10 +188,13 @@ def empty_head(config: dict) -> Tuple[MTPHead, nn.Module]:
 
 
 def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[str] = None,
-               draft_vocab: Optional[int] = None, split: Optional[Split] = None) -> LoadedModel:
+               draft_vocab: Optional[int] = None, draft_head_bits: Optional[int] = None,
+               split: Optional[Split] = None) -> LoadedModel:
     """Load model, head and tokenizer. `dtype` defaults to the backend's compute dtype;
     `draft_vocab`: draft from the checkpoint's N most frequent tokens (None: the model
-    card's `draft_vocab_size`; 0: the whole vocabulary). With `split`, this rank keeps
+    card's `draft_vocab_size`; 0: the whole vocabulary); `draft_head_bits`: draft from
+    the head quantized to 4 or 8 bits (None: the card's `draft_head_bits`; 0: the head
+    as stored). With `split`, this rank keeps
     (and reads from disk) only its part of the model."""
     path = resolve_model_path(path_or_repo)
     try:
@@ -256,6 +260,12 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     model.eval()
     if quantization:  # decode-sized quantized products on mtp-serve's kernel (CPU; built at first use)
         install_decode_qmm([model, head])
+    bits = card.draft_head_bits if draft_head_bits is None else draft_head_bits
+    if head is not None and bits and not head_is_quantized(head):
+        if split is None:
+            head = quantized_head(head, bits, group_size_of(quantization))  # the unquantized head is freed
+        else:  # a split head's layers are sharded modules: it drafts as stored
+            log.warning("%s: split across ranks: the MTP head drafts as stored (draft_head_bits %d is off)", path, bits)
 
     eos = config.get("eos_token_id", text_config(config).get("eos_token_id"))
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)

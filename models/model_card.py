@@ -25,6 +25,7 @@ class ModelCard:
     reasoning_parser: str = "none"
     default_mtp_depth: int = 2
     draft_vocab_size: int = 0  # draft from the checkpoint's N most frequent tokens (draft_vocab.json); 0 = all
+    draft_head_bits: int = 0  # draft from the head quantized to 4 or 8 bits (models/draft_head.py); 0 = as stored
 
     def __post_init__(self):
         if self.mtp_hidden not in ("post_norm", "pre_norm"):

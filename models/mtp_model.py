@@ -106,6 +106,13 @@ class MTPModel:
         rows = self.inner.embed_tokens if self.text.args.tie_word_embeddings else self.text.lm_head
         self.draft_vocab = DraftVocab(ids, rows)
 
+    def drafts_note(self) -> str:
+        """What a draft reads, for start-up lines: the head's precision and the vocabulary."""
+        bits = sorted({m.bits for _, m in self.head.named_modules() if isinstance(m, nn.QuantizedLinear)})
+        head = f"the {'/'.join(map(str, bits))}-bit head" if bits else "the unquantized head"
+        vocab = f"the {self.draft_vocab.size} most frequent tokens" if self.draft_vocab is not None else "the whole vocabulary"
+        return f"drafts from {head} over {vocab}"
+
     def draft_argmax(self, logits: mx.array) -> mx.array:
         """Token ids of the best draft scores (`draft` logits, over the draft vocabulary if set)."""
         best = mx.argmax(logits, axis=-1)

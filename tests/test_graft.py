@@ -188,11 +188,11 @@ def test_source_without_head_and_quantized_head_are_refused(target, checkpoint_d
         graft(str(quantized), target())
 
 
-def test_quantized_body_keeps_an_unquantized_head_with_a_warning(target, checkpoint_dir):
+def test_quantized_body_keeps_the_head_stored_unquantized_with_a_note(target, checkpoint_dir):
     dst = target("qwen3_5", quantize=True)
     result = graft(str(checkpoint_dir("qwen3_5", agreeable=True)), dst)
     assert not result.quantized_head and result.dtype == "float32"
-    assert any("body is quantized (4-bit) and the head stays float32" in w for w in result.warnings)
+    assert any("body is quantized (4-bit) and the head is stored float32" in w for w in result.warnings)
     with pytest.raises(CheckpointError, match="not quantized"):
         graft(str(checkpoint_dir("qwen3_5", agreeable=True)), target("qwen3_5"), quantize_head=True)
 

@@ -89,7 +89,7 @@ def test_convert_round_trip_on_the_demo_model(tmp_path, stock_converted):
     out = cli("convert", "--hf-path", DEMO_MODEL_DIR, "--mlx-path", out_dir, "-q", "--q-bits", "4", "--q-group-size", "32",
               "--tune-tokens", "16", "--tune-repeats", "1", "--max-depth", "2")
     assert out.returncode == 0, out.stderr
-    assert "head stays bfloat16" in out.stdout and "verdict: " in out.stdout
+    assert "head is stored bfloat16" in out.stdout and "verdict: " in out.stdout
     rows = {line.split()[0] + line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("depth ")}
     assert rows.keys() == {"depth1", "depth2"} and all(r.endswith("3/3") for r in rows.values())  # greedy = plain
 
@@ -103,12 +103,17 @@ def test_convert_round_trip_on_the_demo_model(tmp_path, stock_converted):
     model, tokenizer = mlx_lm.load(str(out_dir))  # stock mlx-lm: plain decoding, head ignored
     assert len(mlx_lm.generate(model, tokenizer, prompt="def add(a, b):", max_tokens=8)) > 0
 
-    lm = load_model(str(out_dir))
+    lm = load_model(str(out_dir), draft_head_bits=0)  # the head as stored: unquantized
     assert lm.model.has_mtp and not any(isinstance(m, nn.QuantizedLinear) for _, m in lm.model.head.named_modules())
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in lm.model.model.named_modules())
     assert same_head(lm, load_model(str(DEMO_MODEL_DIR)))
     tuned = json.loads((out_dir / "mtp_serve.json").read_text())
     assert load_card("qwen3_5", out_dir).default_mtp_depth == tuned["default_mtp_depth"] in (0, 1, 2)
+    # The drafts were chosen by acceptance (the demo's 4,096-token vocabulary: the whole one) and are the default.
+    assert "choosing the drafts" in out.stdout and tuned["draft_vocab_size"] == 0
+    bits = tuned["draft_head_bits"]
+    assert any(isinstance(m, nn.QuantizedLinear) and m.bits == bits
+               for _, m in load_model(str(out_dir)).model.head.named_modules()) == bool(bits)
 
 
 def test_tune_without_a_head_names_the_graft_command(tmp_path, checkpoint_dir, stock_converted):

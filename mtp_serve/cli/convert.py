@@ -4,8 +4,9 @@
 
 The body is converted (and quantized) by mlx-lm's own `convert`, so the result
 loads in stock mlx-lm for plain decoding; the head, which mlx-lm drops, is then
-grafted from the same source exactly as `mtp-graft` does: unquantized whatever
-the body (unless --quantize-head). Everything is written to a temporary
+grafted from the same source exactly as `mtp-graft` does: stored unquantized
+whatever the body (unless --quantize-head); the verify step then chooses the
+precision it drafts at and the draft vocabulary. Everything is written to a temporary
 directory beside the output and renamed into place at the end. Then the model
 is measured on this machine and the depth that pays is stored.
 """
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-path", "--model", dest="hf_path", required=True, metavar="REPO_OR_DIR",
                    help="the original checkpoint: Hugging Face repo id or local directory")
     p.add_argument("--mlx-path", default="mlx_model", help="output directory (must not exist; default mlx_model)")
-    p.add_argument("-q", "--quantize", action="store_true", help="quantize the body (the head stays unquantized)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize the body (the head is stored unquantized; the verify step chooses the precision it drafts at)")
     p.add_argument("--q-bits", type=int, help="bits per weight (mlx-lm's default: 4)")
     p.add_argument("--q-group-size", type=int, help="quantization group size (mlx-lm's default: 64)")
     p.add_argument("--q-mode", default="affine", choices=("affine", "mxfp4", "nvfp4", "mxfp8"))

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
                    "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
+    p.add_argument("--draft-head-bits", type=int, choices=(0, 4, 8), help="draft from the head quantized to 4 or 8 bits "
+                   "(default: the model card's draft_head_bits, as mtp-tune chose it; 0: the head as stored)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, finish_reason, stats")
     return p
 
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
             temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             seed=args.seed, max_tokens=args.max_tokens,
         )
-        lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp, draft_vocab=args.draft_vocab)
+        lm = load_model(args.model or default_model_path(), enable_mtp=not args.no_mtp, draft_vocab=args.draft_vocab,
+                        draft_head_bits=args.draft_head_bits)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         return error(str(e))
     tok = lm.tokenizer
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
         print(json.dumps({
             "model": str(lm.path),
             "mtp": lm.mtp_status,
+            "drafts": lm.model.drafts_note() if lm.model.has_mtp else None,
             "backend": BACKEND.note,
             "text": "".join(text),
             "token_ids": ids,

@@ -6,7 +6,8 @@ Only the shard(s) of the source that hold the head are downloaded. The
 target's body is not touched; the head goes into its own shard (unquantized,
 norms shifted exactly once), the index, config and a provenance file
 (`mtp_graft.json`) are updated. Then the model is loaded and measured on this
-machine (`mtp-tune`), and the depth that pays is stored.
+machine (`mtp-tune`): beside a quantized body the drafts are chosen (the head's
+precision and the draft vocabulary, by acceptance), and the depth that pays is stored.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from mtp_serve.cli.tune import add_tune_arguments, exit_status, run_command, ver
 def add_head_arguments(p: argparse.ArgumentParser) -> None:
     """Options mtp-graft and mtp-convert share."""
     p.add_argument("--quantize-head", action="store_true",
-                   help="quantize the head like the body (not recommended: acceptance usually collapses)")
+                   help="store the head quantized like the body (lossy; without it the verify step quantizes it in memory "
+                   "only where acceptance holds)")
     p.add_argument("--norms", choices=("raw", "shifted"),
                    help="how the source stores the head's RMSNorm weights (default: detected from the values)")
     p.add_argument("--no-verify", action="store_true", help="skip loading and measuring the model afterwards")

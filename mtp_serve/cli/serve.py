@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     depth = 0
     if loaded.model.has_mtp:
         depth = args.mtp_depth or loaded.card.default_mtp_depth
-        mtp = (f"MTP on, depth {depth}" if depth else
+        mtp = (f"MTP on, depth {depth}, {loaded.model.drafts_note()}" if depth else
                "MTP off by default: mtp-tune found it slower on this machine (mtp_serve.json default_mtp_depth 0; "
                "--mtp-depth K or a request's mtp_depth turns it on)")
     elif args.enable_mtp:

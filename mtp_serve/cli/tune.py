@@ -17,6 +17,12 @@ check after writing.
 (token frequencies over the files, special tokens first) into `draft_vocab.json`;
 `--draft-vocab N` tunes with drafts from the N most frequent tokens and stores N
 as the model's `draft_vocab_size`.
+
+For a quantized body it first chooses the drafts (mtp_serve/cli/draft_choice.py):
+the cheapest head precision and draft vocabulary whose acceptance stays within 5%
+of the unquantized head's over the whole vocabulary, stored as `draft_head_bits`
+and `draft_vocab_size` (the vocabulary: the checkpoint's draft_vocab.json, else the
+tokenizer's order, written there); `--no-draft-choice` keeps the drafts as they are.
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from mtp_serve import BACKEND
 from mtp_serve.cli.common import OneLineParser, encode_prompt, fail
 from mtp_serve.cli.progress import hub_progress, stage, tensor_writes
 from mtp_serve.cli.progress import progress as show_progress
+
+if TYPE_CHECKING:
+    from mtp_serve.cli.draft_choice import DraftChoice
 
 # (text, wrap in the chat template): code, as agents and the demo model write it, and chat.
 PROMPTS: Tuple[Tuple[str, bool], ...] = (
@@ -198,9 +207,11 @@ def table(m: Measurement) -> str:
                      for r in rows)
 
 
-def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Optional[int] = None) -> Path:
+def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Optional[int] = None,
+                drafts: Optional["DraftChoice"] = None) -> Path:
     """Merge `default_mtp_depth` (and what it was measured from; `draft_vocab_size` when
-    tuned with one) into the model's mtp_serve.json."""
+    tuned with one; `draft_head_bits` and the acceptance behind them when the drafts were
+    chosen) into the model's mtp_serve.json."""
     from mtp_serve.models.model_card import CHECKPOINT_CARD_FILE
 
     path = Path(model_dir) / CHECKPOINT_CARD_FILE
@@ -211,6 +222,9 @@ def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Option
     data["default_mtp_depth"] = v.depth
     if draft_vocab is not None:
         data["draft_vocab_size"] = draft_vocab
+    if drafts is not None:
+        data["draft_head_bits"] = drafts.setting.head_bits
+        data["draft_choice"] = drafts.as_dict()
     data["mtp_tune"] = {
         "verdict": v.text,
         "speed_vs_plain": {str(d): round(m.ratio(d), 3) for d in m.depths},
@@ -233,6 +247,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    "(token frequencies over these text files) into draft_vocab.json first")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="tune with drafts from the N most frequent tokens and "
                    "store N as the model's draft_vocab_size (0: the whole vocabulary)")
+    p.add_argument("--no-draft-choice", action="store_true", help="keep the drafts as they are (default for a "
+                   "quantized body: the cheapest head precision and draft vocabulary within 5%% of the unquantized "
+                   "head's acceptance, measured here and stored)")
     p.add_argument("--quantized-matmul", choices=("exact", "int8"),
                    help="numerics of a quantized model's decode matmuls, as mtp-serve's flag (default: mtp-serve's)")
 
@@ -263,9 +280,58 @@ def measure_and_store_draft_vocab(lm, files: List[str], save: bool, out: Callabl
     return ids
 
 
+def body_quantization(lm) -> Optional[dict]:
+    return lm.config.get("quantization") or lm.config.get("text_config", {}).get("quantization")
+
+
+def draft_ids(lm, args, save: bool, out: Callable[[str], None]) -> Optional[List[int]]:
+    """The checkpoint's draft vocabulary, most frequent first: measured on the user's text
+    (--draft-vocab-text), the one stored with the checkpoint, else the tokenizer's order
+    (None without any: a model whose vocabulary no draft subset would shrink)."""
+    from mtp_serve.models.draft_vocab import load_draft_ids
+
+    if args.draft_vocab_text:
+        return measure_and_store_draft_vocab(lm, args.draft_vocab_text, save, out)
+    return load_draft_ids(lm.path, lm.model.vocab_size)
+
+
+def tokenizer_draft_ids(lm) -> List[int]:
+    from mtp_serve.models.draft_vocab import tokenizer_order
+    from mtp_serve.models.mlx_lm_compat import hf_tokenizer
+
+    special = list(lm.tokenizer.eos_token_ids) + list(hf_tokenizer(lm.tokenizer).all_special_ids)
+    return tokenizer_order(lm.model.vocab_size, always=special)
+
+
+def pick_drafts(lm, args, ids: Optional[List[int]], save: bool, out: Callable[[str], None]):
+    """Measure and put in place the cheapest drafts within the acceptance margin
+    (mtp_serve/cli/draft_choice.py); returns the choice."""
+    from mtp_serve.cli.draft_choice import MARGIN, choose_drafts
+    from mtp_serve.models.draft_head import group_size_of
+    from mtp_serve.models.draft_vocab import DRAFT_VOCAB_FILE, save_draft_vocab
+
+    quant = body_quantization(lm)
+    stored = ids is not None
+    ids = ids if stored else tokenizer_draft_ids(lm)
+    prompts = [encode_prompt(lm.tokenizer, text, chat and lm.tokenizer.chat_template is not None) for text, chat in PROMPTS]
+    out(f"choosing the drafts: acceptance at depth {args.max_depth} against the unquantized head over the whole "
+        f"vocabulary, the cheapest within {MARGIN:.0%} of it")
+    choice = choose_drafts(lm, ids, prompts, args.max_depth, args.tune_tokens, int(quant.get("bits", 0)),
+                           group_size_of(quant), fixed_vocab=args.draft_vocab, out=out)
+    out(f"drafts: {choice.setting.describe()}")
+    if choice.setting.vocab and not stored and save:
+        path = save_draft_vocab(lm.path, ids, "the tokenizer's order (byte-pair merges, most frequent first)")
+        out(f"draft vocabulary: the tokenizer's order, stored in {path}")
+    elif choice.setting.vocab and not stored:
+        out(f"(--no-save: {DRAFT_VOCAB_FILE} not written)")
+    return choice
+
+
 def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], None] = print) -> Verdict:
-    """Load `model`, measure, print the table and verdict, store the choice. Raises
-    CheckpointError for a model that cannot be loaded or has no MTP head."""
+    """Load `model`, choose its drafts (a quantized body), measure, print the table and
+    verdict, store the choice. Raises CheckpointError for a model that cannot be loaded
+    or has no MTP head."""
+    from mtp_serve.models.draft_head import group_size_of, head_is_quantized, quantized_head
     from mtp_serve.models.loader import CheckpointError, load_model
 
     draft_vocab = args.draft_vocab
@@ -273,16 +339,25 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
         from mtp_serve import quantized_matmul
 
         quantized_matmul.set_numerics(args.quantized_matmul)
-    lm = load_model(model, enable_mtp=True, draft_vocab=draft_vocab)
+    lm = load_model(model, enable_mtp=True, draft_vocab=draft_vocab, draft_head_bits=0)
     if not lm.model.has_mtp:
         raise CheckpointError(f"{lm.path}: {lm.mtp_status}; add the head with: {lm.mtp_fix}")
-    if args.draft_vocab_text:
-        ids = measure_and_store_draft_vocab(lm, args.draft_vocab_text, save, out)
-        size = lm.card.draft_vocab_size if draft_vocab is None else draft_vocab
-        lm.model.use_draft_vocab(ids[:size] if size else None)
+    quant = body_quantization(lm)
+    choosing = bool(quant) and not getattr(args, "no_draft_choice", False) and not head_is_quantized(lm.model.head)
+    ids = draft_ids(lm, args, save, out)
+    choice = None
+    if choosing:
+        choice = pick_drafts(lm, args, ids, save, out)
+        draft_vocab = choice.setting.vocab
+    else:
+        if ids is not None and args.draft_vocab_text:
+            size = lm.card.draft_vocab_size if draft_vocab is None else draft_vocab
+            lm.model.use_draft_vocab(ids[:size] if size else None)
+        if lm.card.draft_head_bits and not head_is_quantized(lm.model.head):  # as mtp-serve will draft
+            lm.model.head = quantized_head(lm.model.head, lm.card.draft_head_bits, group_size_of(quant))
     if lm.model.draft_vocab is not None:
         out(f"drafting from the {lm.model.draft_vocab.size} most frequent tokens of {lm.model.vocab_size}")
-    if lm.config.get("quantization") or lm.config.get("text_config", {}).get("quantization"):
+    if quant:
         from mtp_serve import quantized_matmul
 
         out(quantized_matmul.status())  # as mtp-serve will decode it: its kernel, or why MLX's
@@ -294,12 +369,15 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     out(f"verdict: {v.text}")
     for note in v.notes:
         out(f"note: {note}")
-    if v.broken and lm.model.draft_vocab is not None:
+    if v.broken and lm.model.draft_vocab is not None and choice is None:  # a choice measured the whole vocabulary too
         out(f"note: drafts came from {lm.model.draft_vocab.size} tokens only; a draft vocabulary measured on text "
             "unlike the model's output also gives this: try --draft-vocab 0")
     if save:
-        path = save_choice(lm.path, v, m, draft_vocab)
-        out(f"stored default_mtp_depth={v.depth} in {path} (mtp-serve and mtp-generate use it by default)")
+        path = save_choice(lm.path, v, m, draft_vocab, choice)
+        stored = f"default_mtp_depth={v.depth}"
+        if choice is not None:
+            stored += f", draft_head_bits={choice.setting.head_bits}, draft_vocab_size={choice.setting.vocab}"
+        out(f"stored {stored} in {path} (mtp-serve and mtp-generate use it by default)")
     return v
 
 
