@@ -81,6 +81,7 @@ class ModelSpec:
     enable_mtp: bool = False
     mtp_depth: Optional[int] = None
     draft_vocab: Optional[int] = None
+    draft_head_bits: Optional[int] = None
     pinned: bool = False
 
     def __post_init__(self):
@@ -259,7 +260,8 @@ class Models:
 
         s = e.spec
         loaded = (self.loader or load_model)(s.path or default_model_path(), enable_mtp=s.enable_mtp,
-                                             draft_vocab=s.draft_vocab)
+                                             draft_vocab=s.draft_vocab,
+                                             draft_head_bits=s.draft_head_bits)
         depth = (s.mtp_depth or loaded.card.default_mtp_depth) if loaded.model.has_mtp else 0
         config = replace(s.config, mtp_depth=depth, sampling_defaults=s.config.sampling_defaults or generation_defaults(loaded.path))
         return Service(loaded, config, self.engine_factory)

@@ -245,18 +245,26 @@ def test_graft_cli_chooses_the_drafts_and_mtp_serve_uses_them(tmp_path, checkpoi
     lm = load_model(str(dst))
     note = lm.model.drafts_note()
     assert head_is_quantized(lm.model.head) == bool(stored["draft_head_bits"])
+    assert "MTP on, depth 2, " + note in serving_line(dst)
+    # --draft-head-bits 0 overrides the card: the head drafts as stored
+    assert "MTP on, depth 2, drafts from the unquantized head" in serving_line(dst, "--draft-head-bits", "0")
+
+
+def serving_line(model, *flags: str) -> str:
+    """mtp-serve's start-up line for `model` with --enable-mtp --mtp-depth 2 and `flags`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mtp_serve.cli.serve", "--model", str(dst), "--port", str(port),
-                             "--enable-mtp", "--mtp-depth", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_serve.cli.serve", "--model", str(model), "--port", str(port),
+                             "--enable-mtp", "--mtp-depth", "2", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         deadline, line = time.time() + 120, ""
         while time.time() < deadline:
             line = proc.stdout.readline()
             if "mtp-serve: serving" in line or not line:
                 break
-        assert "MTP on, depth 2, " + note in line, line
+        return line
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -313,6 +313,7 @@ def test_config_parses_and_refuses_mistakes():
                      ('[[model]]\nprompt_cache_share = 0.8\n[[model]]\nprompt_cache_share = 0.5', "more than 1"),
                      ('[server]\nmax_loaded_bytes = "lots"\n[[model]]', "not a size"),
                      ('[[model]]\nmtp_depth = 12', "between 1 and 8"),
+                     ('[[model]]\ndraft_head_bits = 3', "draft_head_bits: 0 (the head as stored), 4 or 8"),
                      ("[server]", "no [[model]]")):
         with pytest.raises(models_config.ConfigError, match=__import__("re").escape(why)):
             models_config.parse_config(bad)

@@ -11,6 +11,7 @@
     mtp = true                    # --enable-mtp
     mtp_depth = 3                 # --mtp-depth (the depth cap)
     draft_vocab = 32768           # --draft-vocab
+    draft_head_bits = 8           # --draft-head-bits
     max_context = 65536           # --max-context
     max_batch_size = 4            # --max-batch-size
     max_queue = 64                # --max-queue
@@ -38,7 +39,8 @@ except ImportError:  # Python 3.10: the same parser as the tomli package
         tomllib = None
 
 MODEL_KEYS = {"name": str, "path": str, "aliases": list, "mtp": bool, "mtp_depth": int, "draft_vocab": int,
-              "max_context": int, "max_batch_size": int, "max_queue": int, "prompt_cache_bytes": (str, int),
+              "draft_head_bits": int, "max_context": int, "max_batch_size": int, "max_queue": int,
+              "prompt_cache_bytes": (str, int),
               "prompt_cache_share": (float, int), "pinned": bool}
 SERVER_KEYS = {"max_loaded_bytes": (str, int), "prompt_cache_bytes": (str, int)}
 
@@ -126,6 +128,8 @@ def parse_config(text: str, base: Optional[Path] = None) -> ServeFile:
         for k in ("mtp_depth",):
             if k in m and not 1 <= m[k] <= 8:
                 raise ConfigError(f"{where}.mtp_depth: between 1 and 8")
+        if m.get("draft_head_bits", 0) not in (0, 4, 8):
+            raise ConfigError(f"{where}.draft_head_bits: 0 (the head as stored), 4 or 8")
         for k in ("max_batch_size", "max_queue", "max_context"):
             if k in m and m[k] < (2 if k == "max_context" else 1):
                 raise ConfigError(f"{where}.{k}: too small")

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"speculative\": {\"copy\": false} turns it off for that request)")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
                    "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
+    p.add_argument("--draft-head-bits", type=int, choices=(0, 4, 8), help="draft from the head quantized to 4 or 8 bits "
+                   "(default: the model card's draft_head_bits, as mtp-tune chose it; 0: the head as stored)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
@@ -209,6 +211,7 @@ def main(argv=None) -> int:
         load_started = time.perf_counter()
         with stage(f"loading {model_path}"):
             loaded = load_model(model_path, enable_mtp=args.enable_mtp, draft_vocab=args.draft_vocab,
+                                draft_head_bits=args.draft_head_bits,
                                 split=group.split if group else None)
     except FileNotFoundError as e:
         return error(str(e))
@@ -364,6 +367,7 @@ def several_models(args) -> list:
         m.setdefault("mtp", args.enable_mtp)
         m.setdefault("mtp_depth", args.mtp_depth)
         m.setdefault("draft_vocab", args.draft_vocab)
+        m.setdefault("draft_head_bits", args.draft_head_bits)
         if "name" not in m:
             p = m.get("path")
             m["name"] = (p if p and not Path(p).expanduser().exists() else Path(p).expanduser().resolve().name) if p else "demo"
@@ -375,7 +379,7 @@ def several_models(args) -> list:
             m["prompt_cache_bytes"] = part
     if models:  # the first model's keys override the flags
         for key, flag in (("name", "served_model_name"), ("mtp", "enable_mtp"), ("mtp_depth", "mtp_depth"),
-                          ("draft_vocab", "draft_vocab"), ("max_context", "max_context"),
+                          ("draft_vocab", "draft_vocab"), ("draft_head_bits", "draft_head_bits"), ("max_context", "max_context"),
                           ("max_batch_size", "max_batch_size"), ("max_queue", "max_queue"),
                           ("prompt_cache_bytes", "prompt_cache_bytes")):
             if key in models[0]:
@@ -396,7 +400,8 @@ def spec(m, config):
                 prompt_cache_bytes=m.get("prompt_cache_bytes", config.prompt_cache_bytes), sampling_defaults={},
                 mtp_depth=0, warm_up=False)
     return ModelSpec(m["name"], m.get("path") or default_model_path(), c, aliases=tuple(m.get("aliases", ())), enable_mtp=bool(m["mtp"]),
-                     mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"], pinned=bool(m.get("pinned")))
+                     mtp_depth=m["mtp_depth"], draft_vocab=m["draft_vocab"],
+                     draft_head_bits=m["draft_head_bits"], pinned=bool(m.get("pinned")))
 
 
 def fail_start_in_one_line(app) -> None:
