@@ -86,6 +86,7 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_calls.restype = ctypes.c_long
     lib.mtp_skinny_small_calls.restype = ctypes.c_long
     lib.mtp_skinny_set_small.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.mtp_skinny_set_wide.argtypes = [ctypes.c_int]
     lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1", DEFAULT_MIN_ELEMENTS)
     lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
@@ -142,6 +143,12 @@ def row_invariant() -> bool:
     """Every decode-sized fp32 product gives a row the same bits at any row count: with the shim,
     or without OpenBLAS (MLX's own sgemm is row-invariant). False: OpenBLAS takes the small ones."""
     return _LIB is not None and bool(_LIB.mtp_skinny_small_on())
+
+
+def set_wide_rows(min_rows: int) -> bool:
+    """Products of `min_rows` rows or more on the AVX-512 form (0: never; tests compare the forms
+    bit for bit). Returns whether this CPU has it."""
+    return bool(_LIB.mtp_skinny_set_wide(min_rows)) if _LIB is not None else False
 
 
 def small_calls() -> int:

@@ -1,0 +1,142 @@
+"""Verify windows of T tokens in plain steps, and the products' rate against the machine's peak.
+
+    python bench/bench_windows.py [--shapes 0.8b 2b 4b a3b] [--bodies fp32 8 4] [--windows 1 2 4 8 16 32]
+                                  [--contexts 0 8192 32768] [--reps 5]
+
+Random-weight models with Qwen3.5's layer shapes and real vocabulary (bench_acceptance_speed's
+SHAPES; the A3B expert layout of bench_quantized, quantized bodies only), an fp32 body or one
+quantized as `mlx_lm convert -q` does (group size 64) at 8 or 4 bits, the threads chosen as the
+server's start-up calibration chooses them. Per (shape, body, context):
+- a T-token verify window (GatedDeltaNet state capture on) and its commit, in plain one-token steps
+  (`cost_model.measure_costs`: alternated, medians), after a prompt of the context's length
+  (context 0: a 16-token prompt);
+- the rate of the body's products alone at each T: one layer's MLP projections (gate, up, down) over
+  T rows, in multiply-adds per second, against the peak (independent FMA chains in registers,
+  every core, `skinny_sgemm.c`'s `mtp_skinny_peak_fma`) measured in the same run;
+- the weight bytes a plain step reads over its time, against the stream bandwidth (an fp32 matvec
+  over 512 MB), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import threading
+
+from common import median_seconds, pc  # noqa: I001  (first: backend set-up before mlx.core)
+
+import mlx.core as mx
+
+from bench_acceptance_speed import SHAPES, Tok
+from bench_quantized import bytes_per_step, quantized_model, stream_bandwidth
+from cost_model import QWEN35_VOCAB, measure_costs, random_mtp_model
+from mtp_serve import skinny_gemm
+from mtp_serve.engine.warmup import calibrate_blas_threads
+
+PROMPT_AT_ZERO = 16
+
+
+def peak_fma_per_s(seconds: float = 0.3) -> float:
+    """Multiply-adds per second of every core at once (registers only): the arithmetic ceiling."""
+    lib = skinny_gemm._LIB
+    if lib is None:
+        return float("nan")
+    lib.mtp_skinny_peak_fma.restype = ctypes.c_double
+    lib.mtp_skinny_peak_fma.argtypes = [ctypes.c_long]
+    iters = max(1000, int(lib.mtp_skinny_peak_fma(200000) * seconds / 384))  # ~`seconds` per thread
+    rates = []
+
+    def one():
+        rates.append(lib.mtp_skinny_peak_fma(iters))  # ctypes releases the GIL: the threads run at once
+
+    threads = [threading.Thread(target=one) for _ in range(os.cpu_count() or 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(rates)
+
+
+def build(shape: str, body: str):
+    """(MTPModel, text config) of `shape` with an fp32 or a quantized body."""
+    if body == "fp32":
+        if shape == "a3b":
+            raise SystemExit("the A3B layout is built quantized only (--bodies 8 4)")
+        text = SHAPES[shape](QWEN35_VOCAB)
+        return random_mtp_model(text), text
+    return quantized_model(shape, int(body))
+
+
+def mlp_rate(model, Ts) -> dict:
+    """T -> multiply-adds per second of layer 0's MLP projections over T rows (whatever kernel takes them)."""
+    layer = model.text.model.layers[0]
+    mlp = layer.mlp
+    projs = [p for p in (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")) if p is not None]
+    if not projs:  # MoE: the shared expert
+        mlp = mlp.shared_expert
+        projs = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    H = model.text.args.hidden_size
+    out = {}
+    for T in Ts:
+        xs = [mx.random.normal((1, T, H)), mx.random.normal((1, T, _in(projs[2])))]
+        mx.eval(xs)
+        macs = T * sum(_in(p) * _out(p) for p in projs)
+        s = median_seconds(lambda: mx.eval(projs[0](xs[0]), projs[1](xs[0]), projs[2](xs[1])), 7)
+        out[T] = macs / s
+    return out
+
+
+def _in(p) -> int:
+    bits = getattr(p, "bits", None)
+    return p.weight.shape[1] * 32 // bits if bits else p.weight.shape[1]
+
+
+def _out(p) -> int:
+    return p.weight.shape[0]
+
+
+def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
+    t0 = pc()
+    model, text = build(shape, body)
+    calibrate_blas_threads(model, Tok())
+    print(f"[{shape} {body}] built and calibrated in {pc() - t0:.0f}s (skinny sgemm on: {skinny_gemm.enabled()})",
+          flush=True)
+    rates = mlp_rate(model, args.windows)
+    for ctx in args.contexts:
+        med = measure_costs(model, context=ctx or PROMPT_AT_ZERO, reps=args.reps, Ts=tuple(args.windows))
+        step = med["plain"]
+        wins = "  ".join(f"T={T}: {med[f'verify{T}'] / step:5.2f}" for T in args.windows)
+        print(f"  context {ctx:>6}: plain step {1e3 * step:7.1f} ms ({bytes_per_step(model, text) / step / 1e9:5.1f} GB/s,"
+              f" stream {bandwidth / 1e9:.1f})   window in plain steps  {wins}", flush=True)
+    print("  MLP products, multiply-adds/s (share of peak " f"{peak / 1e9:.0f} G): "
+          + "  ".join(f"T={T}: {r / 1e9:5.1f} G ({r / peak:4.0%})" for T, r in rates.items()), flush=True)
+    del model
+    gc.collect()
+    mx.clear_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["0.8b", "2b"], choices=["0.8b", "2b", "4b", "a3b"])
+    ap.add_argument("--bodies", nargs="+", default=["fp32", "8", "4"], choices=["fp32", "8", "4"])
+    ap.add_argument("--windows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[0])
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    load = os.getloadavg()
+    bandwidth = stream_bandwidth()
+    peak = peak_fma_per_s()
+    print(f"load average {load[0]:.2f}; stream {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:.0f} G multiply-adds/s "
+          f"({os.cpu_count()} cores)", flush=True)
+    for shape in args.shapes:
+        for body in args.bodies:
+            if shape == "a3b" and body == "fp32":
+                continue
+            run(shape, body, args, bandwidth, peak)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
