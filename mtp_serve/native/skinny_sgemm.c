@@ -36,7 +36,6 @@
 
 #define TGT __attribute__((target("avx2,fma")))
 #define MAX_ROWS 8 /* rows `span` takes in one pass */
-#define SKINNY_MAX_ROWS 64 /* rows of the products this file takes from OpenBLAS: decode steps and verify windows */
 #define MAX_THREADS 64
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
@@ -49,6 +48,8 @@ static int n_threads = 1;
 static const long thread_min = 1L << 18; /* smaller W (under 1 MB): waking the pool costs more than it saves */
 static long skinny_min = 0; /* elements of W below which OpenBLAS computes (`mtp_skinny_set_min`) */
 static long calls;
+static int skinny_max_rows = 64; /* rows of the large products taken from OpenBLAS: decode steps and verify windows
+                                    (`mtp_skinny_set_max_rows`: benchmarks compare with 8, OpenBLAS beyond) */
 
 /* ------------------------------------------------------------------ kernel */
 
@@ -478,7 +479,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
         __builtin_cpu_init();
         have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
     }
-    if (supported && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= SKINNY_MAX_ROWS &&
+    if (supported && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 && M <= skinny_max_rows &&
         K >= 8 && (long)N * K >= skinny_min && alpha == 1.0f && beta == 0.0f) {
         __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
         skinny(M, N, K, A, lda, B, ldb, C, ldc);
@@ -503,6 +504,8 @@ void mtp_skinny_set_threads(int n) {
 }
 
 void mtp_skinny_set_min(long elements) { skinny_min = elements; }
+
+void mtp_skinny_set_max_rows(int rows) { skinny_max_rows = rows < 1 ? 1 : rows > 64 ? 64 : rows; }
 
 long mtp_skinny_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
 
