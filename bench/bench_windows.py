@@ -8,8 +8,8 @@ SHAPES; the A3B expert layout of bench_quantized, quantized bodies only), an fp3
 quantized as `mlx_lm convert -q` does (group size 64) at 8 or 4 bits, the threads chosen as the
 server's start-up calibration chooses them. Per (shape, body, context):
 - a T-token verify window (GatedDeltaNet state capture on) and its commit, in plain one-token steps
-  (`cost_model.measure_costs`: alternated, medians), after a prompt of the context's length
-  (context 0: a 16-token prompt);
+  (medians; the forms alternate inside each repetition), after a prompt of the context's length
+  (context 0: a 16-token prompt; the cache grows by one token a window, as a round that keeps one);
 - the rate of the body's products alone at each T: one layer's MLP projections (gate, up, down) over
   T rows, in multiply-adds per second, against the peak (independent FMA chains in registers,
   every core, `skinny_sgemm.c`'s `mtp_skinny_peak_fma`) measured in the same run;
@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import gc
 import os
+import statistics
 import threading
 
 from common import median_seconds, pc  # noqa: I001  (first: backend set-up before mlx.core)
@@ -33,10 +34,11 @@ import mlx.core as mx
 
 from bench_acceptance_speed import SHAPES, Tok
 from bench_quantized import bytes_per_step, quantized_model, stream_bandwidth
-from cost_model import QWEN35_VOCAB, measure_costs, random_mtp_model
+from cost_model import QWEN35_VOCAB, random_mtp_model
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve import skinny_gemm
 from mtp_serve.engine.warmup import calibrate_blas_threads
+from mtp_serve.models.caches import keep_verified, set_capture
 
 PROMPT_AT_ZERO = 16
 
@@ -87,6 +89,38 @@ def build(shape: str, body: str):
     return quantized_model(shape, int(body))
 
 
+def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
+    """form -> {"plain": median s of a plain step, T: median s of a T-token window (capture on) and its
+    commit}, after a prompt of `context` tokens; the forms alternate inside each repetition, so
+    other processes' load hits them alike (the first repetition is a warm-up)."""
+    cache = model.make_cache()
+    h, _ = model.forward(mx.random.randint(0, 1000, (1, context)), cache)
+    mx.eval(h, [c.state for c in cache])
+
+    def timed(T: int) -> float:
+        x = mx.random.randint(0, 1000, (1, T))
+        mx.eval(x)
+        set_capture(cache, T > 1)
+        t0 = pc()
+        h, logits = model.forward(x, cache)
+        set_capture(cache, False)
+        if T > 1:
+            keep_verified(cache, [1], T)  # the commit is part of the cost
+        mx.eval(h, logits, [c.state for c in cache])
+        return pc() - t0
+
+    times = {form: {k: [] for k in ("plain", *Ts)} for form in forms}
+    for rep in range(reps + 1):
+        for form in forms:
+            use_forms(form)
+            row = {"plain": timed(1), **{T: timed(T) for T in Ts}}
+            if rep:
+                for k, v in row.items():
+                    times[form][k].append(v)
+    use_forms("now")
+    return {form: {k: statistics.median(v) for k, v in t.items()} for form, t in times.items()}
+
+
 def mlp_rate(model, Ts) -> dict:
     """T -> multiply-adds per second of layer 0's MLP projections over T rows (whatever kernel takes them)."""
     layer = model.text.model.layers[0]
@@ -123,11 +157,9 @@ def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
           flush=True)
     for ctx in args.contexts:
         costs = {}
-        for form in args.forms:
-            use_forms(form)
-            med = measure_costs(model, context=ctx or PROMPT_AT_ZERO, reps=args.reps, Ts=tuple(args.windows))
+        for form, med in window_seconds(model, ctx or PROMPT_AT_ZERO, args.forms, args.windows, args.reps).items():
             step = med["plain"]
-            costs[form] = {T: med[f"verify{T}"] / step for T in args.windows}
+            costs[form] = {T: med[T] / step for T in args.windows}
             wins = "  ".join(f"T={T}: {c:5.2f}" for T, c in costs[form].items())
             print(f"  context {ctx:>6}, {form:>6} kernels: plain step {1e3 * step:7.1f} ms "
                   f"({bytes_per_step(model, text) / step / 1e9:5.1f} GB/s, stream {bandwidth / 1e9:.1f})   "
