@@ -63,10 +63,13 @@ TGT static inline float hsum256(__m256 v) {
 
 /* The scalar tail of every output, k in [K8, K): one out-of-line function, so every kernel form
    (and every inlining of it) rounds the tail the same way. */
-TGT __attribute__((noinline)) static float tail(float s, const float *x, const float *w, int K8, int K) {
+TGT __attribute__((noinline)) static float tail_sum(float s, const float *x, const float *w, int K8, int K) {
     for (int k = K8; k < K; k++) s += x[k] * w[k];
     return s;
 }
+
+/* No call where there is no tail (K a multiple of 8: every model's products). */
+#define tail(s, x, w, K8, K) ((K8) < (K) ? tail_sum((s), (x), (w), (K8), (K)) : (s))
 
 /* R rows of w against M rows of x (R, M and PF compile-time constants after inlining).
    With PF, the next R rows of w are prefetched a cache line per row every 16 k: the
@@ -263,9 +266,9 @@ static void span_any(const job_t *j, long n0, long n1) {
 }
 
 static void part(const job_t *j, int p) {
-    /* split on multiples of WROWS so that each part runs whole tiles */
-    long blocks = (j->N + WROWS - 1) / WROWS;
-    long n0 = blocks * p / j->parts * WROWS, n1 = blocks * (p + 1) / j->parts * WROWS;
+    const long unit = j->xp ? WROWS : 1; /* the wide form: whole tiles in each part */
+    long blocks = (j->N + unit - 1) / unit;
+    long n0 = blocks * p / j->parts * unit, n1 = blocks * (p + 1) / j->parts * unit;
     span_any(j, n0, n1 < j->N ? n1 : j->N);
 }
 
