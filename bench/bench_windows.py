@@ -22,7 +22,6 @@ of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ra
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import statistics
@@ -45,20 +44,14 @@ PROMPT_AT_ZERO = 16
 
 def peak_fma_per_s(seconds: float = 0.3) -> float:
     """Multiply-adds per second of every core at once (registers only): the arithmetic ceiling."""
-    lib = skinny_gemm._LIB
-    if lib is None:
+    if not skinny_gemm.active():
         return float("nan")
-    lib.mtp_skinny_peak_fma.restype = ctypes.c_double
-    lib.mtp_skinny_peak_fma.argtypes = [ctypes.c_long]
-    iters = max(1000, int(lib.mtp_skinny_peak_fma(200000) * seconds / 384))  # ~`seconds` per thread
+    iters = max(1000, int(skinny_gemm.peak_fma(200000) * seconds / 384))  # ~`seconds` per thread (384 a round)
 
     def every_core() -> float:
         rates = []
-
-        def one():
-            rates.append(lib.mtp_skinny_peak_fma(iters))  # ctypes releases the GIL: the threads run at once
-
-        threads = [threading.Thread(target=one) for _ in range(os.cpu_count() or 1)]
+        threads = [threading.Thread(target=lambda: rates.append(skinny_gemm.peak_fma(iters)))
+                   for _ in range(os.cpu_count() or 1)]
         for t in threads:
             t.start()
         for t in threads:

@@ -88,6 +88,8 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_set_small.argtypes = [ctypes.c_int, ctypes.c_long]
     lib.mtp_skinny_set_wide.argtypes = [ctypes.c_int]
     lib.mtp_skinny_set_max_rows.argtypes = [ctypes.c_int]
+    lib.mtp_skinny_peak_fma.argtypes = [ctypes.c_long]
+    lib.mtp_skinny_peak_fma.restype = ctypes.c_double
     lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1", DEFAULT_MIN_ELEMENTS)
     lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
@@ -157,6 +159,13 @@ def set_max_rows(rows: int = 64) -> None:
     verify windows past 8 tokens were computed before the shim took windows of up to 64)."""
     if _LIB is not None:
         _LIB.mtp_skinny_set_max_rows(rows)
+
+
+def peak_fma(iters: int) -> float:
+    """Multiply-adds per second the calling thread issues in `iters` rounds of independent FMA chains
+    in registers, on the widest form the kernels use (benchmarks' arithmetic ceiling); nan unloaded.
+    Releases the GIL (ctypes): threads calling it at once measure every core."""
+    return _LIB.mtp_skinny_peak_fma(iters) if _LIB is not None else float("nan")
 
 
 def small_calls() -> int:
