@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_serve import quantized_matmul
+from mtp_serve.backend import SMALL_MATMUL_ROWS
 
 from . import activations, fast_math
 from .caches import SpeculativeGDNCache
@@ -53,8 +54,10 @@ CHUNKED_PREFILL_MIN_TOKENS = 8
 # mlx-lm's, checked up to 8 rows of 8 tokens), but past ~64 rows of input it changes
 # algorithm and rounds differently (16 rows of 5 tokens already): a batched verify window
 # would then differ from the batch's plain steps by ~1e-7, which int8 numerics turn into
-# token changes. (Speed: within noise inside the compiled 0.8B-shaped step.)
-DECODE_CONV_MAX_TOKENS = 8
+# token changes. Every verify window takes it (copy drafts make windows of up to 64 tokens):
+# past 8 tokens MLX's conv and its SiLU, whose exp runs one element at a time on x86, took
+# about a tenth of a 32-token fp32 window at 0.8B shapes (profiled).
+DECODE_CONV_MAX_TOKENS = SMALL_MATMUL_ROWS
 
 
 def _metal_kernel_available(head_k_dim: int) -> bool:

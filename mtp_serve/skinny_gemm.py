@@ -1,6 +1,6 @@
-"""Build and load `native/skinny_sgemm.c`: a `cblas_sgemm` that takes decode-sized
-products (at most 8 rows) off OpenBLAS's packing gemm, and small ones (at most 64 rows,
-under 4 MB of W) onto a row-invariant kernel (see the C file for why).
+"""Build and load `native/skinny_sgemm.c`: a `cblas_sgemm` that takes decode steps' and
+verify windows' products (at most 64 rows) off OpenBLAS onto a row-invariant kernel, which
+gives a row the same bits whatever the rows beside it (see the C file for why).
 
 Built once per source version with the system C compiler into the user's cache
 (~/.cache/mtp-serve), like MLX's own compiled kernels, and loaded with
@@ -86,6 +86,10 @@ def load_before_openblas() -> Optional[ctypes.CDLL]:
     lib.mtp_skinny_calls.restype = ctypes.c_long
     lib.mtp_skinny_small_calls.restype = ctypes.c_long
     lib.mtp_skinny_set_small.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.mtp_skinny_set_wide.argtypes = [ctypes.c_int]
+    lib.mtp_skinny_set_max_rows.argtypes = [ctypes.c_int]
+    lib.mtp_skinny_peak_fma.argtypes = [ctypes.c_long]
+    lib.mtp_skinny_peak_fma.restype = ctypes.c_double
     lib.mtp_skinny_set_small(os.environ.get("MTP_SERVE_NO_ROW_INVARIANT") != "1", DEFAULT_MIN_ELEMENTS)
     lib.mtp_skinny_set_min(DEFAULT_MIN_ELEMENTS)
     user_threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
@@ -108,7 +112,7 @@ _enabled = True
 
 
 def set_enabled(on: bool, min_elements: int = DEFAULT_MIN_ELEMENTS) -> None:
-    """On: products of at most 8 rows whose W has `min_elements` or more (0: all of
+    """On: products of at most 64 rows whose W has `min_elements` or more (0: all of
     them, as tests and benchmarks use it); off: every product goes to OpenBLAS."""
     global _enabled
     if _LIB is not None:
@@ -142,6 +146,26 @@ def row_invariant() -> bool:
     """Every decode-sized fp32 product gives a row the same bits at any row count: with the shim,
     or without OpenBLAS (MLX's own sgemm is row-invariant). False: OpenBLAS takes the small ones."""
     return _LIB is not None and bool(_LIB.mtp_skinny_small_on())
+
+
+def set_wide_rows(min_rows: int) -> bool:
+    """Products of `min_rows` rows or more on the AVX-512 form (0: never; tests compare the forms
+    bit for bit). Returns whether this CPU has it."""
+    return bool(_LIB.mtp_skinny_set_wide(min_rows)) if _LIB is not None else False
+
+
+def set_max_rows(rows: int = 64) -> None:
+    """Large products of at most `rows` rows on the shim, more on OpenBLAS (benchmarks: 8 is how
+    verify windows past 8 tokens were computed before the shim took windows of up to 64)."""
+    if _LIB is not None:
+        _LIB.mtp_skinny_set_max_rows(rows)
+
+
+def peak_fma(iters: int) -> float:
+    """Multiply-adds per second the calling thread issues in `iters` rounds of independent FMA chains
+    in registers, on the widest form the kernels use (benchmarks' arithmetic ceiling); nan unloaded.
+    Releases the GIL (ctypes): threads calling it at once measure every core."""
+    return _LIB.mtp_skinny_peak_fma(iters) if _LIB is not None else float("nan")
 
 
 def small_calls() -> int:

@@ -250,6 +250,50 @@ def test_vnni_and_avx2_forms_give_the_same_bits(bits):
         ext.set_vnni(before)
 
 
+@contextmanager
+def pair_rows(rows):
+    """Products of at least `rows` rows on the AVX-512 pair form (0: never)."""
+    ext = qmm_ext.load()
+    before = ext.pair_rows()
+    ext.set_pair_rows(rows)
+    try:
+        yield
+    finally:
+        ext.set_pair_rows(before)
+
+
+@needs_kernel
+@pytest.mark.skipif(qmm_ext.load() is None or not qmm_ext.load().vnni_supported(), reason="no AVX-512 VNNI/VBMI here")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_windows_of_up_to_64_rows_keep_each_rows_bits_on_the_pair_form(bits, gs):
+    """int8 numerics, verify windows of 1-64 rows on the pair form (two rows a 512-bit register, W
+    unpacked once for 8 rows): every row equals, bit for bit, the row alone and the 256-bit form's
+    result, for every scale dtype, dense and gathered."""
+    with numerics("int8"):
+        for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+            w, s, b = _quantized(37 + 8 * i, 512, bits, gs, dtype, seed=gs + i)
+            x = mx.random.normal((64, 512), key=mx.random.key(i)) * 3
+            with pair_rows(0):
+                alone = mx.concatenate([qmm_ext.qmm(x[m:m + 1], w, s, b, gs, bits) for m in range(64)])
+                wide = qmm_ext.qmm(x, w, s, b, gs, bits)
+                mx.eval(alone, wide)
+            assert mx.array_equal(wide, alone).item()
+            with pair_rows(2):
+                for M in range(1, 65):
+                    together = qmm_ext.qmm(x[:M], w, s, b, gs, bits)
+                    assert mx.array_equal(together, alone[:M]).item(), f"{dtype} M={M}"
+        E, N, K = 4, 48, 256  # gathered: 40 (token, expert) rows, 2-17 an expert
+        w, s, b = _quantized(N, K, bits, gs, mx.bfloat16, seed=9, experts=E)
+        xs = mx.random.normal((20, 2, K))
+        ids = mx.array([0, 1, 1, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 3, 3, 3, 3, 1], dtype=mx.uint32)
+        with pair_rows(0):
+            ref = qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits)
+            mx.eval(ref)
+        with pair_rows(2):
+            assert mx.array_equal(qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits), ref).item()
+
+
 @needs_kernel
 @pytest.mark.parametrize("mode", ["exact", "int8"])
 def test_threads_give_the_same_bits(mode):

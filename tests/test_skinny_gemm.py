@@ -48,7 +48,7 @@ def test_loaded_wherever_openblas_and_avx2_are():
 @pytest.mark.parametrize("N,K", [(300, 200), (37, 13), (4096, 1024), (1000, 8)])
 def test_decode_sized_products_are_computed_by_it_and_right(N, K):
     w = mx.random.normal((N, K), key=mx.random.key(N + K))
-    for M in range(1, 9):
+    for M in (*range(1, 10), 16, 31, 32, 64):  # decode steps and verify windows
         x = mx.random.normal((1, M, K), key=mx.random.key(M))
         before = skinny_gemm.calls()
         y = x @ w.T
@@ -89,7 +89,7 @@ def test_threads_added_later_take_only_new_products():
 
 def test_other_products_are_passed_to_openblas_unchanged():
     w = mx.random.normal((640, 96), key=mx.random.key(1))
-    for M in (9, 64, 300):  # more rows than a decode product
+    for M in (65, 300):  # more rows than a verify window
         x = mx.random.normal((M, 96), key=mx.random.key(M))
         _close(x @ w.T, x, w)
     x = mx.random.normal((4, 96), key=mx.random.key(2))
@@ -160,3 +160,83 @@ def test_small_products_give_a_row_the_same_bits_at_any_row_count(transpose_b):
     y = mx.addmm(c, x4, b4.T, alpha=0.5, beta=2.0)
     assert np.allclose(np.asarray(y), 0.5 * _reference(x4, b4) + 2.0 * np.asarray(c), rtol=1e-4, atol=1e-4)
     assert mx.array_equal(y[1:2], mx.addmm(c[1:2], x4[1:2], b4.T, alpha=0.5, beta=2.0)).item()
+
+
+FORMS = {"avx2": 0, "avx512": 2}  # rows from which the AVX-512 form takes a product (0: never)
+
+
+@pytest.fixture(params=list(FORMS))
+def form(request):
+    if request.param == "avx512" and not skinny_gemm.set_wide_rows(FORMS["avx512"]):
+        pytest.skip("no AVX-512 here")
+    skinny_gemm.set_wide_rows(FORMS[request.param])
+    yield request.param
+    skinny_gemm.set_wide_rows(FORMS["avx512"])
+
+
+def _rows_that_differ(x: mx.array, w: mx.array, rows) -> list:
+    """(M, row) where row `row` of the M-row product x[:M] @ w.T differs in any bit from the row alone."""
+    alone = [x[i : i + 1] @ w.T for i in range(max(rows))]
+    mx.eval(alone)
+    bad = []
+    for M in rows:
+        together = x[:M] @ w.T
+        mx.eval(together)
+        bad += [(M, i) for i in range(M) if not mx.array_equal(together[i : i + 1], alone[i]).item()]
+    return bad
+
+
+@needs_shim
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N,K", [(4099, 1030), (3584, 1024), (300, 200), (37, 13)])
+def test_windows_of_up_to_64_rows_give_each_row_its_single_step_bits(form, threads, N, K):
+    """Verify windows of 1-64 rows, on each kernel form (AVX2; AVX-512 where the CPU has it),
+    on weights over the skinny threshold (split over threads) and under it (the small products):
+    every row has the bits of the one-row product, and a K that is not a multiple of 8 takes the
+    scalar tail too."""
+    set_blas_threads(threads)
+    try:
+        skinny_gemm.set_enabled(True)  # the default threshold: the first two shapes are over it
+        w = mx.random.normal((N, K), key=mx.random.key(N))
+        x = mx.random.normal((64, K), key=mx.random.key(K))
+        before = skinny_gemm.calls() + skinny_gemm.small_calls()
+        rows = list(range(1, 65)) if N * K < 1 << 20 else [1, 2, 3, 5, 8, 9, 13, 16, 17, 32, 33, 63, 64]
+        assert _rows_that_differ(x, w, rows) == []
+        assert skinny_gemm.calls() + skinny_gemm.small_calls() >= before + len(rows) + 64
+        _close(x @ w.T, x, w)
+    finally:
+        set_blas_threads(None)
+
+
+@needs_shim
+def test_the_kernel_forms_give_the_same_bits():
+    """AVX2 and AVX-512 compute each output as the same chain of operations: a window on one form
+    equals a step on the other."""
+    if not skinny_gemm.set_wide_rows(FORMS["avx512"]):
+        pytest.skip("no AVX-512 here")
+    w = mx.random.normal((4099, 1030), key=mx.random.key(3))
+    x = mx.random.normal((33, 1030), key=mx.random.key(4))
+    try:
+        out = {}
+        for name, rows in FORMS.items():
+            skinny_gemm.set_wide_rows(rows)
+            out[name] = [x @ w.T, x[:1] @ w.T]
+            mx.eval(out[name])
+        assert mx.array_equal(out["avx2"][0], out["avx512"][0]).item()
+        assert mx.array_equal(out["avx512"][0][:1], out["avx2"][1]).item()
+    finally:
+        skinny_gemm.set_wide_rows(FORMS["avx512"])
+
+
+@needs_shim
+def test_the_row_check_finds_rows_that_differ():
+    """Negative control for the row checks above: on OpenBLAS (the shim off), whose one-row and
+    many-row paths round differently, the same check reports rows."""
+    skinny_gemm.set_enabled(False)
+    skinny_gemm.set_row_invariant(False)
+    try:
+        w = mx.random.normal((4099, 1030), key=mx.random.key(5))
+        x = mx.random.normal((16, 1030), key=mx.random.key(6))
+        assert _rows_that_differ(x, w, [4, 16]) != []
+    finally:
+        skinny_gemm.set_row_invariant(True)

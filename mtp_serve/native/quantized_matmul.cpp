@@ -153,21 +153,24 @@ struct Job {
 };
 
 // out[m, n + r] = hsum(acc[r][m]) + sum_g b[n + r, g] * xsum[m, g] (8 groups a lane, then the tail).
+template <int ST>
+inline __attribute__((always_inline)) void finish_one(const Job& jb, int row, long n, const float* xsums, int G,
+                                                      __m256 acc) {
+  const long b0 = n * long(G);
+  const float* xs = xsums + size_t(row) * G;
+  __m256 bacc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= G; g += 8) bacc = _mm256_fmadd_ps(ld8<ST>(jb.biases, b0 + g), _mm256_loadu_ps(xs + g), bacc);
+  float t = hsum(bacc);
+  for (; g < G; g++) t = t + ld1<ST>(jb.biases, b0 + g) * xs[g];
+  jb.out[size_t(row) * jb.N + n] = hsum(acc) + t;
+}
+
 template <int ST, int R, int MM>
 inline __attribute__((always_inline)) void finish(const Job& jb, const int* rows, long n, const float* xsums, int G,
                                                   const __m256 (&acc)[R][MM]) {
-  for (int r = 0; r < R; r++) {
-    const long b0 = (n + r) * long(G);
-    for (int m = 0; m < MM; m++) {
-      const float* xs = xsums + size_t(rows[m]) * G;
-      __m256 bacc = _mm256_setzero_ps();
-      int g = 0;
-      for (; g + 8 <= G; g += 8) bacc = _mm256_fmadd_ps(ld8<ST>(jb.biases, b0 + g), _mm256_loadu_ps(xs + g), bacc);
-      float t = hsum(bacc);
-      for (; g < G; g++) t = t + ld1<ST>(jb.biases, b0 + g) * xs[g];
-      jb.out[size_t(rows[m]) * jb.N + n + r] = hsum(acc[r][m]) + t;
-    }
-  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MM; m++) finish_one<ST>(jb, rows[m], n + r, xsums, G, acc[r][m]);
 }
 
 // R rows of W (from n) against MM rows of x (from rows).
@@ -343,6 +346,159 @@ namespace avx2 {
 namespace vnni {
 #include "qmm_int8.inc"
 }  // namespace vnni
+
+// Many rows on AVX-512 VNNI: two rows of x share a 512-bit register, one in each 256-bit half,
+// and each chunk of W is unpacked once into both halves (the 32 bytes broadcast) for a tile of
+// 2 rows of W by 4 pairs (8 rows) of x. Lane l of a half runs the operations of lane l of the
+// 256-bit form above (the same dpbusd sums, conversion, scale product and FMA, in chunk order),
+// and `finish_one` reduces each half as it reduces that form's accumulator: each row keeps its
+// bits whatever the rows beside it. Per 64 weights an extra pair of rows costs what one row
+// costs in the 256-bit form (two dpbusd, a conversion, a multiply, an FMA), and the unpacking
+// is shared by 8 rows instead of 4.
+namespace vnni {
+
+// Products of at least this many rows take the pair form (0: never; tests compare). Fewer rows stay on
+// the 256-bit form, one sequential stream of W a thread (see span_int). CPU time of one thread, 0.8B
+// shapes, int8 numerics: 4 rows 0.70 against 0.79 ms (4 bits, 3584 x 1024), 0.97 against 1.26 (8 bits).
+int pair_min_rows = 4;
+
+// The job's rows of x (of the prepared PrepI8) in pairs: per pair and chunk of 64 weights (4 bits)
+// or block of 32 (8 bits), the int8s of both rows side by side (4 bits: low-nibble order of the
+// first, of the second, then the high-nibble order of both), and their scales d, 8 lanes a row.
+// A missing second row (odd counts) is zeros.
+struct Pairs {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+};
+
+template <int BITS>
+void pack_pairs(const PrepI8& p, const int* rows, int M, Pairs& out) {
+  const int K = p.K, P = (M + 1) / 2, units = BITS == 4 ? K / 64 : K / 32, qb = BITS == 4 ? 128 : 64;
+  out.q.assign(size_t(P) * units * qb, 0);
+  out.d.assign(size_t(P) * units * 16, 0.0f);
+  for (int m = 0; m < M; m++) {
+    const int pr = m / 2, h = m % 2;
+    for (int u = 0; u < units; u++) {
+      int8_t* q = out.q.data() + (size_t(pr) * units + u) * qb;
+      float* d = out.d.data() + (size_t(pr) * units + u) * 16 + 8 * h;
+      if constexpr (BITS == 4) {
+        const int8_t* src = p.q4.data() + size_t(rows[m]) * K + 64 * u;
+        std::memcpy(q + 32 * h, src, 32);
+        std::memcpy(q + 64 + 32 * h, src + 32, 32);
+        std::memcpy(d, p.d.data() + size_t(rows[m]) * (K / 8) + 8 * u, 8 * sizeof(float));
+      } else {
+        std::memcpy(q + 32 * h, p.q8v.data() + size_t(rows[m]) * K + 32 * u, 32);
+        std::fill(d, d + 8, p.d[size_t(rows[m]) * (K / 32) + u]);
+      }
+    }
+  }
+}
+
+inline __m256 half(__m512 v, int h) {
+  return h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
+}
+
+inline __m512 both_halves(__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); }
+
+// R rows of W (from n) against P pairs of x (from pair p0); `M`: the job's rows.
+template <int BITS, int ST, int GS, int R, int P>
+inline __attribute__((always_inline)) void pair_block(const Job& jb, const Pairs& pk, int M, int p0, long n) {
+  const PrepI8& p = *static_cast<const PrepI8*>(jb.prep);
+  const int K = p.K, G = p.G, Kw = K * BITS / 32, units = BITS == 4 ? K / 64 : K / 32, qb = BITS == 4 ? 128 : 64;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lanes = _mm512_broadcast_i64x4(_mm256_setr_epi8(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22,
+                                                                23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14,
+                                                                15, 30, 31));
+  const uint32_t* wr[R];
+  for (int r = 0; r < R; r++) wr[r] = jb.w + size_t(n + r) * Kw;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();
+  for (int u = 0; u < units; u++) {
+    __m512i wa[R], wb[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; r++) {
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + 8 * u)));
+      const long g0 = (n + r) * long(G);
+      if constexpr (BITS == 4) {
+        wa[r] = _mm512_and_si512(v, low);
+        wb[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (GS == 32)
+          sv[r] = both_halves(_mm256_setr_m128(_mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * u)),
+                                               _mm_set1_ps(ld1<ST>(jb.scales, g0 + 2 * u + 1))));
+        else
+          sv[r] = _mm512_set1_ps(ld1<ST>(jb.scales, g0 + u * 64 / GS));
+      } else {
+        wa[r] = _mm512_permutexvar_epi8(lanes, v);
+        sv[r] = _mm512_set1_ps(ld1<ST>(jb.scales, g0 + u * 32 / GS));
+      }
+    }
+    for (int q = 0; q < P; q++) {
+      const int8_t* xq = pk.q.data() + (size_t(p0 + q) * units + u) * qb;
+      const __m512i xa = _mm512_loadu_si512(xq);
+      const __m512 dv = _mm512_loadu_ps(pk.d.data() + (size_t(p0 + q) * units + u) * 16);
+      if constexpr (BITS == 4) {
+        const __m512i xb = _mm512_loadu_si512(xq + 64);
+        for (int r = 0; r < R; r++) {
+          const __m512i i32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[r], xa), wb[r], xb);
+          acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(sv[r], dv), acc[r][q]);
+        }
+      } else {
+        for (int r = 0; r < R; r++) {
+          const __m512i i32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[r], xa);
+          acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(sv[r], dv), acc[r][q]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < P; q++)
+      for (int h = 0; h < 2; h++) {
+        const int m = 2 * (p0 + q) + h;
+        if (m < M) finish_one<ST>(jb, jb.rows[m], n + r, p.xs.data(), G, half(acc[r][q], h));
+      }
+}
+
+template <int BITS, int ST, int GS, int R>
+inline __attribute__((always_inline)) void pair_tiles(const Job& jb, const Pairs& pk, long n) {
+  const int M = jb.nrows, P = (M + 1) / 2;
+  for (int p0 = 0; p0 < P; p0 += 4) {
+    switch (std::min(4, P - p0)) {
+      case 1: pair_block<BITS, ST, GS, R, 1>(jb, pk, M, p0, n); break;
+      case 2: pair_block<BITS, ST, GS, R, 2>(jb, pk, M, p0, n); break;
+      case 3: pair_block<BITS, ST, GS, R, 3>(jb, pk, M, p0, n); break;
+      default: pair_block<BITS, ST, GS, R, 4>(jb, pk, M, p0, n); break;
+    }
+  }
+}
+
+template <int BITS, int ST, int GS>
+void span_pairs(const Job& jb, long n0, long n1) {
+  if (pair_min_rows == 0 || jb.nrows < pair_min_rows) return span_int<BITS, ST, GS>(jb, n0, n1);
+  thread_local Pairs pk;  // this thread's copy of the job's rows in pairs
+  pack_pairs<BITS>(*static_cast<const PrepI8*>(jb.prep), jb.rows, jb.nrows, pk);
+  long n = n0;
+  for (; n + 2 <= n1; n += 2) pair_tiles<BITS, ST, GS, 2>(jb, pk, n);
+  for (; n < n1; n++) pair_tiles<BITS, ST, GS, 1>(jb, pk, n);
+}
+
+template <int BITS, int ST>
+SpanFn pick_pairs_gs(int gs) {
+  if (gs == 32) return span_pairs<BITS, ST, 32>;
+  if (gs == 64) return span_pairs<BITS, ST, 64>;
+  return span_pairs<BITS, ST, 128>;
+}
+
+template <int BITS>
+SpanFn pick_pairs_st(int st, int gs) {
+  if (st == F32) return pick_pairs_gs<BITS, F32>(gs);
+  if (st == BF16) return pick_pairs_gs<BITS, BF16>(gs);
+  return pick_pairs_gs<BITS, F16>(gs);
+}
+
+SpanFn pick_pairs(int bits, int st, int gs) { return bits == 4 ? pick_pairs_st<4>(st, gs) : pick_pairs_st<8>(st, gs); }
+
+}  // namespace vnni
 #pragma GCC pop_options
 #undef QMM_INT8_VNNI
 
@@ -475,7 +631,7 @@ void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool i
   const bool vnni = int8 && vnni_on;
   if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = !int8 ? pick(bits, st, gs) : vnni ? vnni::pick_int(bits, st, gs) : avx2::pick_int(bits, st, gs);
+  const SpanFn fn = !int8 ? pick(bits, st, gs) : vnni ? vnni::pick_pairs(bits, st, gs) : avx2::pick_int(bits, st, gs);
   const void* pp = int8 ? static_cast<const void*>(&prep8) : static_cast<const void*>(&prep);
   long units = 0;
   for (const auto& sg : segs) units += sg.N;
@@ -707,6 +863,8 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("vnni_supported", &vnni_supported);
   m.def("set_vnni", [](bool on) { vnni_on = on && vnni_supported(); });
   m.def("vnni", [] { return vnni_on; });
+  m.def("set_pair_rows", [](int rows) { vnni::pair_min_rows = std::max(0, rows); }, "rows"_a);
+  m.def("pair_rows", [] { return vnni::pair_min_rows; });
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
