@@ -101,9 +101,35 @@ def softmax(scores: mx.array, mask: Any) -> mx.array:
     return e / mx.maximum(mx.sum(e, axis=-1, keepdims=True), 1e-30)  # a row all masked: zeros
 
 
+def full_supported(queries: mx.array, cache: Any, mask: Any) -> bool:
+    """The kernel can compute this full-precision step: an fp32 single-sequence cache
+    (mlx-lm's KVCache: `keys` the whole buffer), no mask or the causal one."""
+    keys = getattr(cache, "keys", None)
+    return (NATIVE and isinstance(keys, mx.array) and keys.ndim == 4 and keys.dtype == mx.float32
+            and queries.dtype == mx.float32 and keys.shape[-1] % 64 == 0 and queries.shape[1] % keys.shape[1] == 0
+            and (mask is None or (isinstance(mask, str) and mask == "causal"))
+            and qmm_ext.load() is not None and hasattr(qmm_ext.load(), "full_attention"))
+
+
+def full_attention(queries: mx.array, cache: Any, scale: float, causal: bool) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` over a full-precision cache, on the native
+    kernel: K and V read once for all the window's rows, each row with the bits of the
+    single step at its position (the C++ file says how)."""
+    B, Hq, T, D = queries.shape
+    Hkv, buf = cache.keys.shape[1], cache.keys.shape[2]
+    rows = (Hq // Hkv) * T
+    q = (queries * scale).reshape(B * Hkv * rows, D)
+    flat = lambda a: a.reshape(B * Hkv, buf, D)  # noqa: E731  (the whole buffer: no copy of the used part)
+    out = qmm_ext.load().full_attention(q, flat(cache.keys), flat(cache.values), rows, T, cache.offset, causal and T > 1)
+    return out.reshape(B, Hq, T, D)
+
+
 def attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any]) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention` for a decode step or verify window:
-    quantized caches (a `bits` attribute) through `quantized_attention`."""
+    quantized caches (a `bits` attribute) through `quantized_attention`, fp32 ones through
+    `full_attention` where it applies."""
     if getattr(cache, "bits", None) is None:
+        if full_supported(queries, cache, mask):
+            return full_attention(queries, cache, scale, mask is not None)
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
     return quantized_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits, cache.values)

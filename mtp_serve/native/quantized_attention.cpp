@@ -26,6 +26,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -211,6 +212,197 @@ mx::array quantized_values(const mx::array& p, const mx::array& w, const mx::arr
                    std::make_shared<QuantizedValueRows>(s, group_size, bits, rows_per_head), std::move(in));
 }
 
+
+// ------------------------------------------------------------------ full-precision KV
+//
+// Decode steps and verify windows over an fp32 KV cache. MLX 0.32's CPU
+// `scaled_dot_product_attention` falls back to a graph of matmuls, a softmax and,
+// for a window, a materialised causal mask: at 22k keys (the demo model's shapes,
+// T=1) its p @ V alone took ~9 ms a layer (a [2, 22k] x [22k, 64] product that
+// OpenBLAS packs) against ~0.6 ms to stream V. Here one task per (sequence, kv
+// head) reads each tile of K once for all the head's query rows (its query heads
+// times the window), then each row's softmax, then each tile of V once for all rows.
+//
+// Exactness across row counts: a row sees keys [0, n) with n = S - T + t + 1 for
+// window position t (causal; n = S without a mask) and every step below depends on
+// that row and n alone: a score is one FMA chain over d; the max, the exps and their
+// 8-lane sum run over the row's n scores padded to a multiple of 8 with -inf (exp 0);
+// out[m, d] is one FMA chain over s ascending. So a verify window's row t gets the
+// bits the single step at its position gets, whatever T and the rows beside it.
+
+constexpr int KT = 64;  // keys per tile: K or V tile (64 x D floats) stays in L1/L2 across the rows
+
+// exp(x) for x <= 0 (and -inf), eight lanes: 2^(x log2 e) as 2^round * 2^frac, a degree-6
+// polynomial on frac in [-0.5, 0.5] (relative error ~2e-7); below -87, 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, r), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
+struct FullJob {
+  const float* q;  // [E * M, D], scaled
+  const float* k;  // [E, Sbuf, D]
+  const float* v;
+  float* out;  // [E * M, D]
+  long M, T, S, Sbuf, D;
+  bool causal;
+  long keys(long m) const { return causal ? S - T + m % T + 1 : S; }  // row m = (query head, window position)
+};
+
+// Four keys' scores for one row: four independent FMA chains over d (the same chain a key gets alone).
+inline void scores4(const float* q, const float* k, long D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (long d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+  }
+  out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+}
+
+inline float score1(const float* q, const float* k, long D) {
+  __m256 a = _mm256_setzero_ps();
+  for (long d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+  return hsum8(a);
+}
+
+// p[s] (s < n) += into out[0..64): one FMA chain per column over s ascending.
+inline void values64(const float* p, const float* v, long D, long s0, long s1, float* out) {
+  __m256 a[8];
+  for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(out + 8 * i);
+  for (long s = s0; s < s1; s++) {
+    const __m256 ps = _mm256_broadcast_ss(p + s);
+    const float* vr = v + s * D;
+    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(vr + 8 * i), a[i]);
+  }
+  for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + 8 * i, a[i]);
+}
+
+void full_task(const FullJob& jb, long e, std::vector<float>& sc) {
+  const long M = jb.M, D = jb.D, S = jb.S;
+  const long W = (S + 7) & ~7L;  // a row's scores, padded to whole vectors
+  sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
+  const float* k = jb.k + size_t(e) * jb.Sbuf * D;
+  const float* v = jb.v + size_t(e) * jb.Sbuf * D;
+  const float* q = jb.q + size_t(e) * M * D;
+  for (long s0 = 0; s0 < S; s0 += KT) {  // K tile by tile, each tile for every row
+    const long s1 = std::min(S, s0 + KT);
+    for (long m = 0; m < M; m++) {
+      const long n = std::min(s1, jb.keys(m));
+      float* r = sc.data() + m * W;
+      long s = s0;
+      for (; s + 4 <= n; s += 4) scores4(q + m * D, k + s * D, D, r + s);
+      for (; s < n; s++) r[s] = score1(q + m * D, k + s * D, D);
+    }
+  }
+  for (long m = 0; m < M; m++) {  // softmax over the row's keys
+    float* r = sc.data() + m * W;
+    const long n8 = (jb.keys(m) + 7) & ~7L;
+    __m256 mx8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (long s = 0; s < n8; s += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(r + s));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    float mval = lanes[0];
+    for (int i = 1; i < 8; i++) mval = std::max(mval, lanes[i]);
+    const __m256 mv = _mm256_set1_ps(mval);
+    __m256 sum = _mm256_setzero_ps();
+    for (long s = 0; s < n8; s += 8) {
+      const __m256 ex = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(r + s), mv));
+      _mm256_storeu_ps(r + s, ex);
+      sum = _mm256_add_ps(sum, ex);
+    }
+    const __m256 total = _mm256_set1_ps(hsum8(sum));
+    for (long s = 0; s < n8; s += 8) _mm256_storeu_ps(r + s, _mm256_div_ps(_mm256_loadu_ps(r + s), total));
+  }
+  float* out = jb.out + size_t(e) * M * D;
+  std::fill(out, out + M * D, 0.0f);
+  for (long s0 = 0; s0 < S; s0 += KT) {  // V tile by tile, each tile for every row
+    const long s1 = std::min(S, s0 + KT);
+    for (long m = 0; m < M; m++) {
+      const long n = std::min(s1, jb.keys(m));
+      for (long d = 0; d < D && s0 < n; d += 64) values64(sc.data() + m * W, v + d, D, s0, n, out + m * D + d);
+    }
+  }
+}
+
+class FullAttentionRows : public mx::UnaryPrimitive {
+ public:
+  FullAttentionRows(mx::Stream s, long rows_per_head, long window, long keys, bool causal)
+      : mx::UnaryPrimitive(s), M_(rows_per_head), T_(window), S_(keys), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = claim_output(stream(), inputs, out);
+    FullJob jb{nullptr, nullptr, nullptr, out.data<float>(), M_, T_, S_, inputs[1].shape(1), inputs[1].shape(2),
+               causal_};
+    const long E = inputs[1].shape(0);
+    enc.dispatch([jb, E, rq = RowMajor(inputs[0]), rk = RowMajor(inputs[1]), rv = RowMajor(inputs[2])]() mutable {
+      jb.q = rq.get<float>(), jb.k = rk.get<float>(), jb.v = rv.get<float>();
+      auto part = [&](int i, int parts) {
+        std::vector<float> sc;
+        for (long e = E * i / parts; e < E * (i + 1) / parts; e++) full_task(jb, e, sc);
+      };
+      const long work = E * jb.M * jb.S * jb.D;
+      if (parallel == nullptr || work < thread_min || E < 2) part(0, 1);
+      else parallel(int(std::min<long>(E, 64)), part);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp full attention: CPU only");
+  }
+
+  const char* name() const override { return "MtpFullAttentionRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const FullAttentionRows&>(other);
+    return M_ == o.M_ && T_ == o.T_ && S_ == o.S_ && causal_ == o.causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  long M_, T_, S_;
+  bool causal_;
+};
+
+// q [E * rows_per_head, D] float32 (already scaled; row m of a head is window position m % window);
+// k, v [E, Sbuf >= keys, D] float32 (the cache's buffers) -> [E * rows_per_head, D]:
+// softmax(q K[:keys]^T, causal over the window's last `window` keys) V[:keys].
+mx::array full_attention(const mx::array& q, const mx::array& k, const mx::array& v, int rows_per_head, int window,
+                         int keys, bool causal) {
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
+    throw std::invalid_argument("mtp full attention: float32 only");
+  if (q.ndim() != 2 || k.ndim() != 3 || k.shape() != v.shape() || q.shape(1) != k.shape(2) || k.shape(2) % 64)
+    throw std::invalid_argument("mtp full attention: bad shapes");
+  if (rows_per_head < 1 || window < 1 || rows_per_head % window || long(q.shape(0)) != long(k.shape(0)) * rows_per_head ||
+      keys < window || keys > k.shape(1))
+    throw std::invalid_argument("mtp full attention: rows, window or keys do not match the cache");
+  auto s = mx::to_stream({});
+  return mx::array(q.shape(), mx::float32, std::make_shared<FullAttentionRows>(s, rows_per_head, window, keys, causal),
+                   {q, k, v});
+}
+
 }  // namespace qattn
 
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
@@ -218,4 +410,6 @@ void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
+  m.def("full_attention", &qattn::full_attention, "q"_a, "k"_a, "v"_a, "rows_per_head"_a, "window"_a, "keys"_a,
+        "causal"_a);
 }
