@@ -105,20 +105,18 @@ def generated(lm, prompt, depth, max_tokens=24):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
 def test_greedy_mtp_equals_plain_after_a_long_prompt(kv, loaded, monkeypatch):
-    """A 9k-token prompt on a synthetic Qwen3.5 model (head_dim 64, so every decode and verify
-    attention runs on the native kernel): MTP at depths 2 and 4 emits plain decoding's tokens."""
+    """An 8.2k-token prompt on a synthetic Qwen3.5 model (head_dim 64, so every decode and verify
+    attention runs on the native kernel): MTP at depth 3 emits plain decoding's tokens."""
     lm = loaded("qwen3_5", agreeable=True, head_dim=64)
     lm.model.use_kv(kv)
     taken = []
     native = quantized_attention.attention_rows
     monkeypatch.setattr(quantized_attention, "attention_rows", lambda *a: taken.append(a[0].shape[2]) or native(*a))
     try:
-        prompt = rng.integers(0, 250, 9000).tolist()
+        prompt = rng.integers(0, 250, 8200).tolist()
         plain, _ = generated(lm, prompt, 0)
-        for depth in (2, 4):
-            ours, stats = generated(lm, prompt, depth)
-            assert ours == plain, f"depth {depth}"
-            assert sum(stats.accepted) > 0
+        ours, stats = generated(lm, prompt, 3)
+        assert ours == plain and sum(stats.accepted) > 0
     finally:
         lm.model.use_kv(FULL_KV)
-    assert 1 in taken and 3 in taken and 5 in taken  # single steps and windows of depths 2 and 4
+    assert 1 in taken and 4 in taken  # single steps and depth-3 windows
