@@ -54,7 +54,7 @@ def reference(q, keys, values, cache, mask):
 
 @needs_kernel
 @pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
-@pytest.mark.parametrize("T", [4, 8])
+@pytest.mark.parametrize("T", [4, 8, 33])
 def test_window_over_8k_keys_scores_every_row_as_its_single_step(kv, T):
     S = 8300
     cache = filled(kv, S - T)
