@@ -1,9 +1,13 @@
 """How many tokens each row drafts, from costs measured on this machine and each
 row's own acceptance.
 
-A round over B rows whose longest row drafts K costs t(B, K) (K head steps and
+A round over B rows whose longest row drafts K costs t(B, C, K) (K head steps and
 one verify of K+1 tokens per row, padding included), measured on the running
-machine: moving averages per batch-size bucket and K. A row with conditional
+machine: moving averages per batch-size bucket, context bucket C and K. C is the
+longest row's context length rounded down to a power of two (1k at least): a
+window's attention over the cache grows with it (at 22k tokens of context a verify
+window of the demo model cost ~2 plain steps where at 1k it cost ~1.2), so a depth
+that pays at 1k may not at 22k; each bucket measures its own costs. A row with conditional
 acceptances a_1, a_2, ... (its own, per draft position) emits on average
 E(K) = 1 + a_1 + a_1 a_2 + ... tokens per round at depth K.
 
@@ -11,7 +15,7 @@ Each row prefers the depth that would maximise its own tokens per second,
 E(K) / t(B, K), K = 0 included. The round's window is the longest preference.
 Rows draft up to it (the window is paid for anyway) unless their drafts
 practically never land: those stay at 0, so they never drag their neighbours
-down, and re-probe now and then so they recover when their acceptance returns. Every K is tried a few times per bucket before its cost is
+down, and re-probe now and then so they recover when their acceptance returns. Every K is tried a few times per (batch, context) bucket before its cost is
 trusted (its first round, which pays for allocation and kernel tracing, is not
 counted), and a depth not chosen for a while is measured again.
 
@@ -33,6 +37,7 @@ PRIOR_EMA = 0.05  # weight of one row's round in the model-wide acceptance
 PROBES = 2  # measured rounds per (bucket, K) before its cost is used
 REPROBE_EVERY = 64  # rounds of a bucket after which an unchosen depth is measured again
 ROW_REPROBE_EVERY = 16  # rounds a row stays at depth 0 before it drafts once more (doubling after each failure)
+MIN_CONTEXT_BUCKET = 1024  # shorter contexts share one cost estimate (attention is a small part there)
 PRIOR_ACCEPTANCE = 0.5  # per position, before anything was observed
 RIDE_MIN_ACCEPTANCE = 0.1  # a row below this first-draft acceptance stays out of an open window
 
@@ -45,14 +50,30 @@ def batch_bucket(b: int) -> int:
     return n
 
 
+def context_bucket(n: int) -> int:
+    """1024, 2048, 4096, ...: the power of two n rounds down to (1024 at least)."""
+    c = MIN_CONTEXT_BUCKET
+    while c * 2 <= n:
+        c *= 2
+    return c
+
+
+Bucket = Tuple[int, int]  # (batch bucket, context bucket)
+
+
+def round_bucket(rows: List[Sequence]) -> Bucket:
+    """The cost bucket of a round over these rows: its batch size and its longest row's context."""
+    return batch_bucket(len(rows)), context_bucket(max(s.context_length for s in rows))
+
+
 @dataclass
 class DepthPolicy:
     max_depth: int = 2  # the server's --mtp-depth: no row drafts more
     fixed: bool = False  # every row drafts its cap (tests, benchmarks)
-    round_time: Dict[Tuple[int, int], float] = field(default_factory=dict)
-    samples: Dict[Tuple[int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
-    last_round: Dict[Tuple[int, int], int] = field(default_factory=dict)  # bucket round count when last run
-    rounds: Dict[int, int] = field(default_factory=dict)  # rounds per bucket
+    round_time: Dict[Tuple[int, int, int], float] = field(default_factory=dict)  # (batch, context, K) -> seconds
+    samples: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
+    last_round: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # bucket round count when last run
+    rounds: Dict[Bucket, int] = field(default_factory=dict)  # rounds per (batch, context) bucket
     prior: List[float] = field(default_factory=list)  # model-wide acceptance per position: new rows start here
 
     def request_cap(self, seq: Sequence) -> int:
@@ -70,23 +91,33 @@ class DepthPolicy:
         top = max(caps)
         if self.fixed or top == 0:
             return caps
-        bucket = batch_bucket(len(rows))
+        bucket = round_bucket(rows)
         for K in range(top + 1):  # costs not measured yet: every row takes part
-            if self.samples.get((bucket, K), 0) < PROBES + 1:
+            if self.samples.get((*bucket, K), 0) < PROBES + 1:
                 return [min(c, K) for c in caps]
         prefs = [self.preferred(s, c, bucket) for s, c in zip(rows, caps)]
         open_ = any(prefs)
-        wants = [p > 0 or (c > 0 and (open_ and self._rides(s) or self._probe_due(s, open_)))
+        hopeless = self.hopeless(bucket, top)
+        wants = [p > 0 or (c > 0 and not hopeless and (open_ and self._rides(s) or self._probe_due(s, open_)))
                  for s, c, p in zip(rows, caps, prefs)]
         window = max(max(prefs), 1)
         now = self.rounds.get(bucket, 0)
-        stale = [K for K in range(top + 1) if now - self.last_round.get((bucket, K), 0) > REPROBE_EVERY]
+        stale = [K for K in range(top + 1) if now - self.last_round.get((*bucket, K), 0) > REPROBE_EVERY]
         if stale:  # measure an old cost estimate again (with the rows that draft anyway)
             if stale[0] == 0:
                 return [0] * len(rows)
+            if hopeless:  # the machine may have become quieter: one round in REPROBE_EVERY tells
+                return [min(c, stale[0]) for c in caps]
             if any(wants):
                 window = stale[0]
         return [min(c, window) if w else 0 for c, w in zip(caps, wants)]
+
+    def hopeless(self, bucket: Bucket, top: int) -> bool:
+        """Whether no depth could pay here even if every draft landed: K+1 tokens in a round
+        slower than K+1 plain steps (long contexts, where the window's attention dominates).
+        Rows then stop re-probing their acceptance; only the stale-cost rounds draft."""
+        plain = self.round_time[(*bucket, 0)]
+        return all((K + 1) * plain <= self.round_time[(*bucket, K)] for K in range(1, top + 1))
 
     def _rides(self, seq: Sequence) -> bool:
         """Once another row opened the window, its padding positions are computed anyway:
@@ -100,9 +131,9 @@ class DepthPolicy:
         a = seq.acceptance
         return a.idle_rounds >= (ROW_REPROBE_EVERY if window_open else ROW_REPROBE_EVERY << min(a.failed_probes, 4))
 
-    def preferred(self, seq: Sequence, cap: int, bucket: int) -> int:
-        """The depth that maximises this row's own tokens per second at this batch size."""
-        return max(range(cap + 1), key=lambda K: self.expected_tokens(seq, K) / self.round_time[(bucket, K)])
+    def preferred(self, seq: Sequence, cap: int, bucket: Bucket) -> int:
+        """The depth that maximises this row's own tokens per second at this batch size and context."""
+        return max(range(cap + 1), key=lambda K: self.expected_tokens(seq, K) / self.round_time[(*bucket, K)])
 
     def expected_tokens(self, seq: Sequence, K: int) -> float:
         return seq.acceptance.expected_tokens(K, self.prior_at(K))
@@ -125,8 +156,8 @@ class DepthPolicy:
         if seconds is None:
             return
         K = max(depths)
-        bucket = batch_bucket(len(rows))
-        key = (bucket, K)
+        bucket = round_bucket(rows)
+        key = (*bucket, K)
         n = self.samples.get(key, 0)
         if n == 1:  # the first measured round (round 0 was the warm-up)
             self.round_time[key] = seconds
@@ -136,18 +167,18 @@ class DepthPolicy:
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self.last_round[key] = self.rounds[bucket]
 
-    def head_rate(self, seq: Sequence, bucket: int) -> Optional[float]:
-        """The row's best expected tokens per second from the head at this batch size, over the
-        depths whose round time is measured (None before any is)."""
-        rates = [self.expected_tokens(seq, K) / self.round_time[(bucket, K)]
-                 for K in range(self.request_cap(seq) + 1) if (bucket, K) in self.round_time]
+    def head_rate(self, seq: Sequence, bucket: Bucket) -> Optional[float]:
+        """The row's best expected tokens per second from the head at this batch size and context,
+        over the depths whose round time is measured (None before any is)."""
+        rates = [self.expected_tokens(seq, K) / self.round_time[(*bucket, K)]
+                 for K in range(self.request_cap(seq) + 1) if (*bucket, K) in self.round_time]
         return max(rates) if rates else None
 
     def observe_copies(self, rows: List[Sequence], lengths: List[int], sources: List[str], accepted: List[int],
                        seconds: float) -> None:
         """A round with copies: a row whose copy emitted tokens more slowly than the head would
         have halves its copy length (the window's cost on this machine decides how long pays)."""
-        bucket = batch_bucket(len(rows))
+        bucket = round_bucket(rows)
         for s, n, source, m in zip(rows, lengths, sources, accepted):
             head = self.head_rate(s, bucket) if source == "copy" else None
             if head is not None and (m + 1) / seconds < head:
@@ -156,5 +187,5 @@ class DepthPolicy:
     def summary(self) -> dict:
         return {
             "acceptance_per_position": [round(a, 3) for a in self.prior],
-            "round_ms": {f"B{b}/K{k}": round(t * 1e3, 2) for (b, k), t in sorted(self.round_time.items())},
+            "round_ms": {f"B{b}/C{c}/K{k}": round(t * 1e3, 2) for (b, c, k), t in sorted(self.round_time.items())},
         }

@@ -146,6 +146,11 @@ class Sequence:
         return self.params.max_tokens - len(self.committed)
 
     @property
+    def context_length(self) -> int:
+        """Tokens the row's attention reads: its prompt and every committed token."""
+        return len(self.prompt) + len(self.committed)
+
+    @property
     def prompt_key(self) -> List[int]:
         """The prompt as the prompt cache keys it (images by their content, `ImagePrompt.key`)."""
         return self.prompt if self.images is None else self.images.key

@@ -37,8 +37,15 @@ from .compiled_steps import _attention_in, attention_layer_at
 from .caches import QuantizedKVCache
 from .mlx_lm_compat import KVCache, Qwen3NextAttention, Qwen3NextMLP
 from .prefill_attention import causal_attention
+from .quantized_attention import attention_rows
 from .rope_positions import RopePositions, qkv_at
 
+
+# Inputs of up to this many tokens (verify windows of copied drafts) attend on the decode kernel
+# (`quantized_attention.attention_rows`): K and V read once for all rows, each row with the bits of
+# the single step at its position. The blockwise path cost a 9-token window at 22k keys of context
+# ~9 plain steps on the demo model, the kernel ~1.5.
+NATIVE_WINDOW = 64
 
 # Quantized KV through the blockwise path (False: mlx-lm's quantized attention; benchmarks compare).
 DEQUANTIZE_QUANTIZED_KV = True
@@ -63,9 +70,12 @@ def attention(layer: nn.Module, x: mx.array, mask: Any, cache: Optional[Any], ro
     B, L, _ = x.shape
     q, k, v, gate = _attention_in(layer)(x, cache.offset) if rope is None else qkv_at(layer, x, cache, rope)
     k, v = cache.update_and_fetch(k, v)
-    if quantized:
-        k, v = (mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits) for p in (k, v))
-    out = causal_attention(q, k, v, attn.scale).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    out = attention_rows(q, k, v, cache, attn.scale, mask) if L <= NATIVE_WINDOW else None
+    if out is None:
+        if quantized:
+            k, v = (mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits) for p in (k, v))
+        out = causal_attention(q, k, v, attn.scale)
+    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
     return attn.o_proj(out * fast_math.sigmoid(gate))
 
 

@@ -157,7 +157,7 @@ def test_adaptive_policy_explores_and_stays_exact(loaded):
     out, _, _ = drive(lm, reqs, 3, policy=policy, copy_max=0)  # the head's window costs are what it explores
     for k, (p, params) in reqs.items():
         assert out[k][0] == single_stream(lm, p, params, 3)[0]
-    tried = {k for (_, k) in policy.samples}
+    tried = {k for (_, _, k) in policy.samples}
     assert tried == {0, 1, 2, 3}, policy.summary()
 
 

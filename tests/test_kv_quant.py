@@ -283,14 +283,19 @@ def test_native_quantized_attention_equals_mlx_lm_and_scores_a_window_as_single_
 @needs_kernel
 @pytest.mark.parametrize("kv_setting", [KVSetting(8, 64), KVSetting(4, 64)], ids=["q8g64", "q4g64"])
 def test_greedy_mtp_equals_plain_on_the_native_quantized_attention(kv_setting, at, loaded, monkeypatch):
-    """head_dim 64: both settings' decode and verify attention run on the native kernel."""
+    """head_dim 64: both settings' decode and verify attention run on the native kernel
+    (`attention_rows`, the whole attention in one primitive)."""
     lm = loaded("qwen3_5", agreeable=True, head_dim=64)
     lm.model.use_kv(kv_setting)
     used = []
-    native = quantized_attention.quantized_attention
-    monkeypatch.setattr(quantized_attention, "quantized_attention",
-                        lambda *a: used.append(quantized_attention.native_supported(a[0].shape[-1], *a[5:7], a[1][1].dtype))
-                        or native(*a))
+    native = quantized_attention.attention_rows
+
+    def recorded(*a):
+        out = native(*a)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(quantized_attention, "attention_rows", recorded)
     try:
         prompts = {"a": [5, 17, 99, 3, 42, 7, 250, 11], "b": list(range(30, 130, 3))}
         plain = {k: run(lm, p, 0, max_tokens=28)[0] for k, p in prompts.items()}

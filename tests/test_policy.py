@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import mtp_serve.engine.speculative as speculative
-from mtp_serve.engine.policy import ROW_REPROBE_EVERY, DepthPolicy
+from mtp_serve.engine.policy import ROW_REPROBE_EVERY, DepthPolicy, context_bucket
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.engine.sequence import RowAcceptance
@@ -22,6 +22,7 @@ class Row:
     """What the policy reads of a running sequence."""
     max_depth: int = 2
     tokens_left: int = 1 << 20
+    context_length: int = 100
     acceptance: RowAcceptance = field(default_factory=lambda: RowAcceptance([]))
 
 
@@ -31,7 +32,7 @@ def simulate(policy, rows, acceptance, rounds, rng):
     for r in range(rounds):
         depths = policy.depths(rows)
         K = max(depths)
-        first = policy.samples.get((4, K), 0) == 0
+        first = policy.samples.get((4, 1024, K), 0) == 0
         accepted = []
         for i, d in enumerate(depths):
             m = 0
@@ -73,6 +74,71 @@ def test_a_failing_row_drops_to_zero_alone_and_recovers():
     assert sum(d[:3] == [2, 2, 2] for d in middle) >= 0.9 * len(middle), middle
     assert sum(d[3] > 0 for d in middle) >= 1  # it re-probes
     assert all(d[3] == 2 for d in chosen[-20:]), chosen[-20:]  # and recovers once its drafts are accepted again
+
+
+def window_cost(context: int, K: int) -> float:
+    """A round's seconds when a verify window's attention grows with the context: at depth K the
+    window reads the cache for K+1 positions (40 ms per 8k keys each), a plain step for one.
+    At 80% acceptance depth 2 pays below ~4.5k tokens of context, depth 1 below ~7k; above, both
+    cost more than they bring."""
+    return 0.010 + 0.001 * K + (K + 1) * 0.040 * context / 8192
+
+
+def test_drafts_where_its_context_pays_and_not_where_it_does_not():
+    """Round costs measured per context bucket: the same row drafts at 1k tokens of context,
+    stops drafting at 64k, where every depth measured slower than plain steps, and drafts
+    again at once back at 1k."""
+    import random
+
+    rng = random.Random(2)
+    policy = DepthPolicy(max_depth=2)
+    row = Row(context_length=1000)
+    chosen = {}
+    for context in (1000, 64000, 1000):  # back to a short context: its own costs are still there
+        row.context_length = context
+        picks = []
+        for r in range(200):
+            d = policy.depths([row])[0]
+            m = 0
+            while m < d and rng.random() < 0.8:
+                m += 1
+            policy.observe([row], [d], [m], window_cost(context, d) * (50 if r == 0 else 1))
+            picks.append(d)
+        chosen.setdefault(context, []).append(picks)
+        pays = [(1 + 0.8 + 0.64 * (K == 2)) / window_cost(context, K) > 1 / window_cost(context, 0) for K in (1, 2)]
+        assert pays == [context < 4096] * 2
+    drafted = lambda picks: sum(d > 0 for d in picks) / len(picks)  # noqa: E731  (rare rounds re-measure plain)
+    assert drafted(chosen[1000][0][-100:]) >= 0.95, chosen[1000][0]
+    assert drafted(chosen[64000][0][-150:]) <= 0.15, chosen[64000][0]  # plain, but for re-probes (1 round in 16)
+    assert drafted(chosen[1000][1][:20]) >= 0.9, chosen[1000][1]  # back at 1k: drafts at once, on 1k's costs
+    assert {k[1] for k in policy.round_time} == {1024, 32768}
+    assert context_bucket(1000) == 1024 and context_bucket(32000) == 16384 and context_bucket(32768) == 32768
+
+
+def test_where_no_depth_could_pay_rows_stop_re_probing():
+    """Costs where even a draft always accepted loses (a round at depth K slower than K+1 plain
+    steps): the row drafts only in the rounds that re-measure a stale cost, 1 in 64."""
+    import random
+
+    rng = random.Random(3)
+    policy = DepthPolicy(max_depth=2)
+    row = Row(context_length=50000)
+    picks = []
+    for r in range(400):
+        d = policy.depths([row])[0]
+        m = sum(1 for _ in range(d) if rng.random() < 0.9)
+        policy.observe([row], [d], [m], (0.010 * (1 + 2.2 * d)) * (50 if r == 0 else 1))
+        picks.append(d)
+    assert policy.hopeless((1, 32768), 2)
+    late = picks[100:]
+    assert 0 < sum(d > 0 for d in late) <= len(late) / 32, late
+
+
+def test_a_batch_round_is_costed_at_its_longest_rows_context():
+    policy = DepthPolicy(max_depth=2)
+    rows = [Row(context_length=900), Row(context_length=20000)]
+    policy.observe(rows, [2, 2], [0, 0], 0.5)
+    assert set(policy.samples) == {(2, 16384, 2)}
 
 
 def test_cap_is_the_servers_depth_and_requests_lower_it():

@@ -26,9 +26,13 @@
 #include <cstring>
 #include <stdexcept>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -211,6 +215,336 @@ mx::array quantized_values(const mx::array& p, const mx::array& w, const mx::arr
                    std::make_shared<QuantizedValueRows>(s, group_size, bits, rows_per_head), std::move(in));
 }
 
+
+// ------------------------------------------------------------------ whole attention
+//
+// Decode steps and verify windows, full-precision or quantized KV, as one primitive.
+// MLX 0.32's CPU `scaled_dot_product_attention` falls back to a graph of matmuls, a
+// softmax and, for a window, a materialised causal mask: at 22k keys (the demo model's
+// shapes, T=1) its p @ V alone took ~9 ms a layer (a [2, 22k] x [22k, 64] product that
+// OpenBLAS packs) against ~0.6 ms to stream V. Here one task per (sequence, kv head)
+// reads each tile of K once for all the head's query rows (its query heads times the
+// window; a quantized tile is unpacked once, v = q * scale + bias), then each row's
+// softmax, then each tile of V once for all rows.
+//
+// Exactness across row counts and batches: a row attends to its keys in ascending
+// order, the list fixed by the row alone: keys [0, n) with n = S - T + t + 1 for window
+// position t (causal; n = S without a mask), or the keys its mask row keeps (a batch:
+// left padding, rolled-back holes). Every step depends on that list alone: a score is
+// one FMA chain over d; the max, the exps and their 8-lane sum run over the row's
+// scores packed in list order and padded to a multiple of 8 with -inf (exp 0); out[m, d]
+// is one FMA chain over the list. So a verify window's row t gets the bits the single
+// step at its position gets, and a row in a batch the bits it gets alone.
+
+constexpr int KT = 64;  // keys per tile: a K or V tile (64 x D floats) stays in cache across the rows
+
+// exp(x) for x <= 0 (and -inf), eight lanes: 2^(x log2 e) as 2^round * 2^frac, a degree-7
+// Taylor polynomial on frac * ln 2 in [-0.35, 0.35] (relative error ~1e-7); below -87, 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, r), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
+// Rows [s0, s1) of one head's keys or values as floats: fp32 buffers in place.
+struct FloatRows {
+  const float* base;  // [E, Sbuf, D]
+  long Sbuf, D;
+  const float* get(long e, long s0, long, float*) const { return base + (size_t(e) * Sbuf + s0) * D; }
+};
+
+// ... or a quantized buffer's rows unpacked into `tmp` (v = q * scale + bias, one FMA, as the value kernel above).
+template <int BITS, int ST>
+struct QuantRows {
+  const uint32_t* w;  // [E, Sbuf, D*bits/32]
+  const void* scales;  // [E, Sbuf, D/gs]
+  const void* biases;
+  long Sbuf, D;
+  int gs;
+  const float* get(long e, long s0, long s1, float* tmp) const {
+    const long Dw = D * BITS / 32, G = D / gs;
+    for (long s = s0; s < s1; s++) {
+      const uint32_t* wr = w + (size_t(e) * Sbuf + s) * Dw;
+      const long g0 = (size_t(e) * Sbuf + s) * G;
+      float* out = tmp + (s - s0) * D;
+      for (long c = 0; c < D; c += 8) {
+        const __m256 sc = _mm256_set1_ps(ld1<ST>(scales, g0 + c / gs)), bi = _mm256_set1_ps(ld1<ST>(biases, g0 + c / gs));
+        _mm256_storeu_ps(out + c, _mm256_fmadd_ps(unpack8<BITS>(wr, int(c)), sc, bi));
+      }
+    }
+    return tmp;
+  }
+};
+
+struct RowsJob {
+  const float* q;  // [E * M, D], scaled
+  const uint8_t* mask;  // [B, T, S] bool, or null
+  float* out;  // [E * M, D]
+  long M, T, S, D, Hkv;
+  bool causal;
+};
+
+// Four keys' scores for one row: four independent FMA chains over d (the chain a key gets alone).
+inline void scores4(const float* q, const float* const k[4], long D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (long d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+  }
+  out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+}
+
+inline float score1(const float* q, const float* k, long D) {
+  __m256 a = _mm256_setzero_ps();
+  for (long d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+  return hsum8(a);
+}
+
+// out[0 .. 8 NV) += p[j] * v[key j] for list entries [j0, j1): one FMA chain per column, j ascending.
+template <int NV>
+inline void values_block(const float* p, const int* idx, long j0, long j1, const float* vt, long s0, long D,
+                         float* out) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; i++) a[i] = _mm256_loadu_ps(out + 8 * i);
+  for (long j = j0; j < j1; j++) {
+    const __m256 ps = _mm256_broadcast_ss(p + j);
+    const float* vr = vt + (idx[j] - s0) * D;
+    for (int i = 0; i < NV; i++) a[i] = _mm256_fmadd_ps(ps, _mm256_loadu_ps(vr + 8 * i), a[i]);
+  }
+  for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + 8 * i, a[i]);
+}
+
+inline void values_row(const float* p, const int* idx, long j0, long j1, const float* vt, long s0, long D, float* out) {
+  long d = 0;
+  for (; d + 64 <= D; d += 64) values_block<8>(p, idx, j0, j1, vt + d, s0, D, out + d);
+  switch ((D - d) / 8) {
+    case 1: values_block<1>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 2: values_block<2>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 3: values_block<3>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 4: values_block<4>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 5: values_block<5>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 6: values_block<6>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    case 7: values_block<7>(p, idx, j0, j1, vt + d, s0, D, out + d); break;
+    default: break;
+  }
+}
+
+struct Scratch {
+  std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
+  std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
+};
+
+// The head e's rows: keys, softmax, values.
+template <class KV>
+void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
+  const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
+  x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
+  x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
+  for (long m = 0; m < M; m++) {  // the row's keys, ascending
+    const long t = m % jb.T;
+    int* idx = x.idx.data() + m * S;
+    long n = 0;
+    if (jb.mask != nullptr) {
+      const uint8_t* mr = jb.mask + (size_t(e / jb.Hkv) * jb.T + t) * S;
+      for (long s = 0; s < S; s++)
+        if (mr[s]) idx[n++] = int(s);
+    } else {
+      n = jb.causal ? S - jb.T + t + 1 : S;
+      for (long s = 0; s < n; s++) idx[s] = int(s);
+    }
+    x.n[m] = int(n);
+  }
+  const float* q = jb.q + size_t(e) * M * D;
+  for (long s0 = 0; s0 < S; s0 += KT) {  // K tile by tile, each tile for every row
+    const long s1 = std::min(S, s0 + KT);
+    const float* kt = nullptr;
+    for (long m = 0; m < M; m++) {
+      const int* idx = x.idx.data() + m * S;
+      float* r = x.sc.data() + m * W;
+      long j = x.cur[m], n = x.n[m];
+      if (j >= n || idx[j] >= s1) continue;
+      if (kt == nullptr) kt = K.get(e, s0, s1, x.tile.data());
+      for (; j + 4 <= n && idx[j + 3] < s1; j += 4) {
+        const float* k4[4] = {kt + (idx[j] - s0) * D, kt + (idx[j + 1] - s0) * D, kt + (idx[j + 2] - s0) * D,
+                              kt + (idx[j + 3] - s0) * D};
+        scores4(q + m * D, k4, D, r + j);
+      }
+      for (; j < n && idx[j] < s1; j++) r[j] = score1(q + m * D, kt + (idx[j] - s0) * D, D);
+      x.cur[m] = int(j);
+    }
+  }
+  for (long m = 0; m < M; m++) {  // softmax over the row's scores
+    float* r = x.sc.data() + m * W;
+    const long n8 = (long(x.n[m]) + 7) & ~7L;
+    __m256 mx8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (long j = 0; j < n8; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(r + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    float top = lanes[0];
+    for (int i = 1; i < 8; i++) top = std::max(top, lanes[i]);
+    const __m256 tv = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (long j = 0; j < n8; j += 8) {
+      const __m256 ex = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(r + j), tv));
+      _mm256_storeu_ps(r + j, ex);
+      sum = _mm256_add_ps(sum, ex);
+    }
+    const __m256 total = _mm256_set1_ps(std::max(hsum8(sum), 1e-30f));  // a row with no key: zeros
+    for (long j = 0; j < n8; j += 8) _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_loadu_ps(r + j), total));
+  }
+  float* out = jb.out + size_t(e) * M * D;
+  std::fill(out, out + M * D, 0.0f);
+  x.cur.assign(M, 0);
+  for (long s0 = 0; s0 < S; s0 += KT) {  // V tile by tile, each tile for every row
+    const long s1 = std::min(S, s0 + KT);
+    const float* vt = nullptr;
+    for (long m = 0; m < M; m++) {
+      const int* idx = x.idx.data() + m * S;
+      long j = x.cur[m], n = x.n[m], j1 = j;
+      while (j1 < n && idx[j1] < s1) j1++;
+      if (j1 == j) continue;
+      if (vt == nullptr) vt = V.get(e, s0, s1, x.tile.data());
+      values_row(x.sc.data() + m * W, idx, j, j1, vt, s0, D, out + m * D);
+      x.cur[m] = int(j1);
+    }
+  }
+}
+
+template <class KV>
+void run_rows(const RowsJob& jb, const KV& K, const KV& V, long E) {
+  auto part = [&](int i, int parts) {
+    Scratch x;
+    for (long e = E * i / parts; e < E * (i + 1) / parts; e++) rows_task(jb, K, V, e, x);
+  };
+  const long work = E * jb.M * jb.S * jb.D;
+  if (parallel == nullptr || work < thread_min || E < 2) part(0, 1);
+  else parallel(int(std::min<long>(E, 64)), part);
+}
+
+// Inputs: q, then K and V (fp32 [E, Sbuf, D]; or packed, scales, biases each), then the mask if any.
+class AttentionRows : public mx::UnaryPrimitive {
+ public:
+  AttentionRows(mx::Stream s, long rows_per_head, long window, long keys, long kv_heads, bool causal, bool masked,
+                int group_size, int bits)
+      : mx::UnaryPrimitive(s), M_(rows_per_head), T_(window), S_(keys), Hkv_(kv_heads), causal_(causal),
+        masked_(masked), gs_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = claim_output(stream(), inputs, out);
+    const size_t nkv = bits_ ? 3 : 1;
+    RowsJob jb{nullptr, nullptr, out.data<float>(), M_, T_, S_, inputs[0].shape(1), Hkv_, causal_};
+    const long E = inputs[1].shape(0), Sbuf = inputs[1].shape(1);
+    std::vector<RowMajor> in;
+    for (const auto& a : inputs) in.emplace_back(a);
+    const int st = bits_ ? scale_type(inputs[2].dtype()) : F32;
+    enc.dispatch([jb, E, Sbuf, in, nkv, st, masked = masked_, gs = gs_, bits = bits_]() mutable {
+      jb.q = in[0].get<float>();
+      jb.mask = masked ? in[1 + 2 * nkv].get<uint8_t>() : nullptr;
+      if (bits == 0) {
+        run_rows(jb, FloatRows{in[1].get<float>(), Sbuf, jb.D}, FloatRows{in[2].get<float>(), Sbuf, jb.D}, E);
+        return;
+      }
+      auto go = [&](auto tag) {
+        using KV = decltype(tag);
+        const KV K{in[1].get<uint32_t>(), in[2].get<char>(), in[3].get<char>(), Sbuf, jb.D, gs};
+        const KV V{in[4].get<uint32_t>(), in[5].get<char>(), in[6].get<char>(), Sbuf, jb.D, gs};
+        run_rows(jb, K, V, E);
+      };
+      if (bits == 8) {
+        if (st == F32) go(QuantRows<8, F32>{});
+        else if (st == BF16) go(QuantRows<8, BF16>{});
+        else go(QuantRows<8, F16>{});
+      } else {
+        if (st == F32) go(QuantRows<4, F32>{});
+        else if (st == BF16) go(QuantRows<4, BF16>{});
+        else go(QuantRows<4, F16>{});
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mtp attention rows: CPU only");
+  }
+
+  const char* name() const override { return "MtpAttentionRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AttentionRows&>(other);
+    return M_ == o.M_ && T_ == o.T_ && S_ == o.S_ && Hkv_ == o.Hkv_ && causal_ == o.causal_ && masked_ == o.masked_ &&
+           gs_ == o.gs_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  long M_, T_, S_, Hkv_;
+  bool causal_, masked_;
+  int gs_, bits_;
+};
+
+// q [E * rows_per_head, D] float32, already scaled, E = B * kv_heads (row m of a head is window
+// position m % window); kv: [k, v] fp32 [E, Sbuf >= keys, D] (the cache's buffers), or with
+// bits 4/8 [k_packed, k_scales, k_biases, v_packed, v_scales, v_biases] in mlx-lm's quantized
+// layout; mask: none, or bool [B, window, keys] (what a row may see, causality included)
+// -> [E * rows_per_head, D]: softmax(q K[:keys]^T, masked) V[:keys].
+mx::array attention_rows(const mx::array& q, const std::vector<mx::array>& kv, std::optional<mx::array> mask,
+                         int rows_per_head, int window, int keys, int kv_heads, bool causal, int group_size, int bits) {
+  const size_t nkv = bits ? 3 : 1;
+  if (kv.size() != 2 * nkv || (bits != 0 && bits != 4 && bits != 8))
+    throw std::invalid_argument("mtp attention rows: kv must be [k, v] (bits 0) or 6 quantized arrays (bits 4, 8)");
+  if (q.dtype() != mx::float32 || q.ndim() != 2 || q.shape(1) % 8) throw std::invalid_argument("mtp attention rows: bad q");
+  const long D = q.shape(1);
+  for (size_t i = 0; i < kv.size(); i++) {
+    const auto& a = kv[i];
+    const bool data = i % nkv == 0;
+    const long want = !bits ? D : data ? D * bits / 32 : D / std::max(group_size, 1);
+    const bool dtype_ok = !bits ? a.dtype() == mx::float32 : data ? a.dtype() == mx::uint32
+                          : (a.dtype() == mx::float32 || a.dtype() == mx::bfloat16 || a.dtype() == mx::float16);
+    if (a.ndim() != 3 || !dtype_ok || a.shape(0) != kv[0].shape(0) || a.shape(1) != kv[0].shape(1) || a.shape(2) != want)
+      throw std::invalid_argument("mtp attention rows: K/V buffers do not match q");
+  }
+  if (bits && (D % group_size || (group_size != 32 && group_size != 64 && group_size != 128) || kv[1].dtype() != kv[2].dtype() ||
+               kv[4].dtype() != kv[1].dtype() || kv[5].dtype() != kv[1].dtype()))
+    throw std::invalid_argument("mtp attention rows: bad group size or scales");
+  const long E = kv[0].shape(0);
+  if (rows_per_head < 1 || window < 1 || rows_per_head % window || long(q.shape(0)) != E * rows_per_head ||
+      keys < window || keys > kv[0].shape(1) || kv_heads < 1 || E % kv_heads)
+    throw std::invalid_argument("mtp attention rows: rows, window or keys do not match the cache");
+  std::vector<mx::array> in = {q};
+  in.insert(in.end(), kv.begin(), kv.end());
+  if (mask) {
+    if (mask->dtype() != mx::bool_ || mask->ndim() != 3 || mask->shape(0) != E / kv_heads || mask->shape(1) != window ||
+        mask->shape(2) != keys)
+      throw std::invalid_argument("mtp attention rows: mask must be bool [B, window, keys]");
+    in.push_back(*mask);
+  }
+  auto s = mx::to_stream({});
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<AttentionRows>(s, rows_per_head, window, keys, kv_heads, causal, bool(mask),
+                                                   group_size, bits),
+                   std::move(in));
+}
+
 }  // namespace qattn
 
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
@@ -218,4 +552,6 @@ void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
+  m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
+        "keys"_a, "kv_heads"_a, "causal"_a, "group_size"_a, "bits"_a);
 }

@@ -1,0 +1,171 @@
+"""Decoding at long contexts: MTP against plain steps through the server, and the
+verify window's cost in plain steps over long caches.
+
+    python bench/bench_long_context.py                          # both parts, the defaults below
+    python bench/bench_long_context.py --server --contexts 1100 7400 21700 --pairs 3
+    python bench/bench_long_context.py --windows --models 0.8b --window-contexts 8192 32768
+
+--server: `mtp-serve --model <demo> --enable-mtp` (the embedded demo model, its defaults)
+as its own process on loopback. For each context length a prompt of that many tokens
+(Python stdlib source) is sent once to fill the prompt cache, then requests of
+--tokens greedy tokens alternate MTP on (the server's depth and policy) and off
+(`mtp_depth: 0`), --pairs times, each streamed: decode tokens/s from the first token
+to the last (the prompt is restored from the cache, so prefill does not count). The
+ratio MTP/plain is printed per pair and as the median.
+
+--windows: bench_kv_steps.py's caches (random keys and values of the context's length
+in every attention layer, full or 8-bit KV) and the time of a backbone forward of T
+tokens, T = --window-sizes, as plain steps (T=1), the fastest of --iters runs,
+settings interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import environment, pc, stream_events, write_json  # noqa: I001  (first: backend set-up)
+
+import mlx.core as mx
+
+from mtp_serve.models.caches import set_capture
+
+
+def stdlib_tokens(tokenizer, n: int) -> list:
+    """n tokens of Python stdlib source (whole files, largest first, then cut)."""
+    src = Path(os.__file__).parent
+    ids: list = []
+    for p in sorted(src.glob("*.py"), key=lambda p: -p.stat().st_size):
+        ids += tokenizer.encode(p.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"not enough stdlib source for {n} tokens")
+
+
+def decode_rate(base: str, prompt: list, tokens: int, depth) -> tuple:
+    """(decode tokens/s from first to last token, tokens, cached prompt tokens, mean tokens per round)."""
+    body = {"model": "demo", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if depth is not None:
+        body["mtp_depth"] = depth
+    first = last = None
+    n, usage = 0, {}
+    for event in stream_events(f"{base}/v1/completions", body):
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            if choice.get("text"):
+                now = pc()
+                first = first or now
+                last = now
+                n += 1
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    spec = usage.get("speculative") or {}
+    generated = usage.get("completion_tokens", n)
+    return (generated - 1) / max(last - first, 1e-9), generated, cached, spec.get("tokens_per_pass")
+
+
+def server_part(args) -> list:
+    from mtp_serve.models.demo_model import default_model_path
+    from mtp_serve.testing.server_process import ServerProcess
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    rows = []
+    with ServerProcess(["--model", default_model_path(), "--enable-mtp", "--served-model-name", "demo",
+                        *args.server_args]) as server:
+        base = server.root
+        for ctx in args.contexts:
+            prompt = stdlib_tokens(tokenizer, ctx)
+            decode_rate(base, prompt, 8, 0)  # prefill; the prompt cache keeps it
+            decode_rate(base, prompt, 8, None)  # the MTP path's first round at this length
+            mtp, plain, per_round, cached = [], [], [], []
+            for _ in range(args.pairs):
+                for depth, out in ((None, mtp), (0, plain)):
+                    rate, n, c, tpr = decode_rate(base, prompt, args.tokens, depth)
+                    out.append(rate)
+                    cached.append(c)
+                    if depth is None:
+                        per_round.append(tpr or 0)
+            ratios = [m / p for m, p in zip(mtp, plain)]
+            row = dict(context=ctx, mtp_tok_s=statistics.median(mtp), plain_tok_s=statistics.median(plain),
+                       ratio=statistics.median(ratios), ratios=ratios, tokens_per_round=statistics.median(per_round),
+                       cached_min=min(cached), load=os.getloadavg()[0])
+            rows.append(row)
+            print(f"ctx {ctx:6d}: MTP {row['mtp_tok_s']:6.1f} tok/s, plain {row['plain_tok_s']:6.1f} tok/s, "
+                  f"MTP/plain {row['ratio']:.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)}), "
+                  f"{row['tokens_per_round'] or 0:.2f} tokens/pass, prompt cached {row['cached_min']}/{ctx}, "
+                  f"load {row['load']:.1f}", flush=True)
+    return rows
+
+
+def window_part(args) -> list:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_kv_quant import MODELS, SETTINGS
+    from bench_kv_steps import long_cache
+
+    rows = []
+    for name in args.models:
+        lm, _, _ = MODELS[name]()
+        model = lm.model
+        for S in args.window_contexts:
+            runs = []
+            for label in args.kv:
+                kv = SETTINGS[label]
+                cache, head, hidden, reset = long_cache(model, kv, S)
+                runs.append(dict(label=label, kv=kv, cache=cache, reset=reset, times={T: [] for T in args.window_sizes}))
+            for it in range(args.iters + 1):  # iteration 0: warm-up
+                for run in runs:
+                    model.use_kv(run["kv"])
+                    for T in args.window_sizes:
+                        run["reset"]()
+                        set_capture(run["cache"], T > 1)
+                        t0 = pc()
+                        mx.eval(*model.forward(mx.array([[3] * T]), run["cache"]))
+                        if it:
+                            run["times"][T].append(pc() - t0)
+                        set_capture(run["cache"], False)
+            for run in runs:
+                best = {T: min(v) * 1e3 for T, v in run["times"].items()}
+                row = dict(model=name, context=S, kv=run["label"], ms=best,
+                           plain_steps={T: best[T] / best[1] for T in best})
+                rows.append(row)
+                print(f"[{name}] ctx {S:6d} {run['label']:6s} plain {best[1]:7.1f} ms; "
+                      + ", ".join(f"T={T} {best[T]:7.1f} ms ({row['plain_steps'][T]:.2f} steps)" for T in best if T > 1),
+                      flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", action="store_true", help="only the server part")
+    ap.add_argument("--windows", action="store_true", help="only the window costs")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1100, 7400, 21700])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra mtp-serve flags (last)")
+    ap.add_argument("--models", nargs="+", default=["0.8b"], help="bench_kv_quant.py's models: demo, 0.8b")
+    ap.add_argument("--window-contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--window-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--kv", nargs="+", default=["full", "8-bit"], choices=["full", "8-bit", "4-bit"])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=".work/bench/long_context.json")
+    args = ap.parse_args(argv)
+    if 1 not in args.window_sizes:
+        args.window_sizes = [1] + args.window_sizes
+    both = not (args.server or args.windows)
+    result = {"environment": environment(sys.argv), "load_start": os.getloadavg()[0], "started": time.time()}
+    if args.server or both:
+        result["server"] = server_part(args)
+    if args.windows or both:
+        result["windows"] = window_part(args)
+    result["load_end"] = os.getloadavg()[0]
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
