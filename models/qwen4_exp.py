@@ -258,6 +258,18 @@ class NGramEmbedding(nn.Module):
         self._offsets = [sum(self._sizes[:i]) for i in range(heads)]
         self._mult = layer_multipliers(args.vocab_size, self.n, ple_index, args.seed)
         self.ngram_embedding = nn.Embedding(ngram_table_rows(args, ple_index), args.ple_embed_dim // heads)
+        self.mapped = None  # the table memory-mapped from the checkpoint (models/ngram_tables.py), if so
+
+    def use_mapped(self, table: Any) -> None:
+        """Read rows from `table` (a MappedTable) instead of an in-memory `ngram_embedding`."""
+        if table.shape != self.ngram_embedding.weight.shape:
+            raise ValueError(f"n-gram table of shape {table.shape}, expected {self.ngram_embedding.weight.shape}")
+        del self["ngram_embedding"]
+        self.mapped = table
+
+    @property
+    def table_nbytes(self) -> int:
+        return self.mapped.nbytes if self.mapped is not None else self.ngram_embedding.weight.nbytes
 
     def ids(self, history: mx.array, T: int) -> mx.array:
         """Table rows [B, T, heads] of the last T tokens of `history` [B, n-1+T] (int64)."""
@@ -283,7 +295,8 @@ class NGramEmbedding(nn.Module):
         return mx.concatenate(blocks, axis=-1)[:, -T:].astype(mx.int32)
 
     def __call__(self, history: mx.array, T: int) -> mx.array:
-        e = self.ngram_embedding(self.ids(history, T))
+        ids = self.ids(history, T)
+        e = self.mapped.take(ids) if self.mapped is not None else self.ngram_embedding(ids)
         return e.reshape(*e.shape[:2], -1)
 
 
@@ -671,7 +684,12 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
 
 def ngram_table_bytes(model: nn.Module) -> int:
     """Bytes the PLE n-gram tables hold (the start-up line reports them)."""
-    return sum(l.ple.ple_embedding.ngram_embedding.weight.nbytes for l in model.layers if l.has_ple)
+    return sum(l.ple.ple_embedding.table_nbytes for l in model.layers if l.has_ple)
+
+
+def tables_mapped(model: nn.Module) -> bool:
+    """Whether every PLE layer reads its n-gram table memory-mapped."""
+    return all(l.ple.ple_embedding.mapped is not None for l in model.layers if l.has_ple)
 
 
 def build(config: dict) -> Model:

@@ -71,7 +71,8 @@ class Qwen4ExpMTPModel(MTPModel):
         return qwen4_exp.ngram_table_bytes(self.inner)
 
     def memory_note(self) -> str:
-        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB; "
+        mapped = " memory-mapped" if qwen4_exp.tables_mapped(self.inner) else ""
+        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB{mapped}; "
 
     def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
                 embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:

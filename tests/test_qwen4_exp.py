@@ -136,8 +136,31 @@ def test_a_rejected_verify_rolls_every_state_back_to_plain_steps(kept, lm):
 def test_start_up_line_reports_the_ngram_tables(lm):
     args = lm.model.text.args
     rows = qwen4_exp.ngram_table_rows(args, 0) + qwen4_exp.ngram_table_rows(args, 1)
-    assert lm.model.ngram_table_bytes() == rows * 8 * 4  # two PLE layers of 8-wide rows, float32
-    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 32 / 2**20:.1f} MiB; "
+    # two PLE layers of 8-wide rows, bfloat16 in the files (mapped as stored)
+    assert lm.model.ngram_table_bytes() == rows * 8 * 2
+    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 16 / 2**20:.1f} MiB memory-mapped; "
+
+
+def test_ngram_tables_are_memory_mapped_and_read_as_loaded_ones(lm, backbone, golden):
+    """The loaded model holds no n-gram table in memory (each PLE layer reads rows from a memmap
+    of the files), and the rows it reads are bit for bit those of the tables loaded into memory (the goldens
+    above check its logits against transformers)."""
+    from mlx.utils import tree_flatten
+
+    from mtp_serve.models.ngram_tables import MappedTable
+
+    assert qwen4_exp.tables_mapped(lm.model.inner)
+    assert not any("ngram_embedding" in k for k, _ in tree_flatten(lm.model.inner.parameters()))
+    layers = [l.ple.ple_embedding for l in lm.model.layers if l.has_ple]
+    assert all(isinstance(e.mapped, MappedTable) and len(e.mapped.shards) == 4 for e in layers)
+    assert all(isinstance(s, np.memmap) for e in layers for s in e.mapped.shards)
+    assert not qwen4_exp.tables_mapped(backbone)
+    loaded_in_memory = [l.ple.ple_embedding for l in backbone.layers if l.has_ple]
+    for mapped, ref in zip(layers, loaded_in_memory):
+        rows = mx.array(np.random.default_rng(0).integers(0, mapped.mapped.shape[0], (2, 9, 4)))
+        assert mx.array_equal(mapped.mapped.take(rows), ref.ngram_embedding(rows)).item()  # every shard's rows
+        history = mx.array(golden["a_tokens"])[None]
+        assert mx.array_equal(mapped(history, 5), ref(history, 5)).item()
     assert lm.mtp_status == "MTP on"
 
 
