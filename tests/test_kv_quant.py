@@ -246,6 +246,7 @@ def test_qwen4_exp_rejected_verify_leaves_the_quantized_and_indexer_keys_of_plai
     la = model.forward(mx.array([[99]]), spec)[1]
     lb = model.forward(mx.array([[99]]), plain)[1]
     assert mx.allclose(la, lb, atol=1e-5).item()
+    assert snapshot_costs(model).kv_bytes_per_token == model.kv_bytes_per_token()  # the indexer keys counted
 
 
 def assert_same_quantized(ours, ref, n):

@@ -162,6 +162,9 @@ def test_ngram_tables_are_memory_mapped_and_read_as_loaded_ones(lm, backbone, go
         history = mx.array(golden["a_tokens"])[None]
         assert mx.array_equal(mapped(history, 5), ref(history, 5)).item()
     assert lm.mtp_status == "MTP on"
+    from mtp_serve.engine.prompt_cache.setup import snapshot_costs
+
+    assert snapshot_costs(lm.model).kv_bytes_per_token == lm.model.kv_bytes_per_token()  # indexer keys included
 
 
 def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):

@@ -86,8 +86,12 @@ def snapshot_costs(model) -> SnapshotCosts:
     for c in probe.backbone + ([probe.head] if probe.head is not None else []):
         if hasattr(c, "keys"):
             per_token += (kv_nbytes(c.keys) + kv_nbytes(c.values)) // kv_length(c.keys)
+            if getattr(c, "index_keys", None) is not None:  # qwen4_exp: the indexer's key per token
+                per_token += c.index_keys.nbytes // c.index_keys.shape[1]
         else:
             state += sum(a.nbytes for a in c.cache)
+            if getattr(c, "ple", None) is not None:  # qwen4_exp: a PLE layer's n-gram and conv windows
+                state += c.ple.ngram.nbytes + c.ple.conv.nbytes
     return SnapshotCosts(state, per_token, str(owed.dtype))
 
 
