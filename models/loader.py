@@ -40,6 +40,7 @@ from .mtp_head import MTPHead
 from . import qwen4_exp
 from .mtp_model import MTPModel
 from .qwen4_exp_mtp import Qwen4ExpMTPModel
+from .ngram_tables import mapped_tables
 from .mtp_source import graft_command
 from .mtp_weights import (
     RAW,
@@ -131,6 +132,20 @@ def load_weights(path: Path) -> Dict[str, mx.array]:
     return weights
 
 
+def _map_ngram_tables(text: nn.Module, path: Path, weights: dict) -> None:
+    """qwen4_exp: PLE layers read their full-precision n-gram tables memory-mapped from the
+    files (models/ngram_tables.py); their tensors leave `weights` unread."""
+    index = _index(path)
+    tables = mapped_tables(weight_files(path), index["weight_map"] if index is not None else None)
+    for i, (table, names) in tables.items():
+        try:
+            text.model.layers[i].ple.ple_embedding.use_mapped(table)
+        except (IndexError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{path}: layer {i}'s n-gram table does not match the config: {e}") from e
+        for name in names:
+            weights.pop(name, None)
+
+
 def _quantize_like_weights(module: nn.Module, weights: dict, quantization: Optional[dict]) -> None:
     """Quantize exactly the layers whose weights come with `.scales` (mlx-lm layout)."""
     if not quantization or not any(k.endswith(".scales") for k in weights):
@@ -210,6 +225,7 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     quantization = config.get("quantization") or text_config(config).get("quantization")
 
     if config["model_type"] == "qwen4_exp":
+        _map_ngram_tables(text, path, backbone_w)
         vision_w = {k: v for k, v in backbone_w.items() if k.startswith(("model.visual.", "visual.", "vision_tower."))}
         if vision_w:
             log.warning("%s: %s; serving text only", path, qwen4_exp.unsupported("the vision tower"))
@@ -253,6 +269,9 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     target = getattr(mx, dtype or BACKEND.compute_dtype)
     float_pred = lambda x: mx.issubdtype(x, mx.floating)  # noqa: E731
     model.set_dtype(target, float_pred)
+    for layer in text.model.layers:  # memory-mapped n-gram tables: their rows at the compute dtype
+        if getattr(layer, "has_ple", False) and layer.ple.ple_embedding.mapped is not None:
+            layer.ple.ple_embedding.mapped.target = target
     if head is not None:
         head.set_dtype(target, float_pred)
         mx.eval(head.parameters())
@@ -274,7 +293,8 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     if config["model_type"] == "qwen4_exp":
         if split is not None:
             raise CheckpointError(f"{path}: {qwen4_exp.unsupported('distributed serving')}")
-        log.info("%s: PLE n-gram tables %.1f MiB", path, mtp_model.ngram_table_bytes() / 2**20)
+        log.info("%s: PLE n-gram tables %.1f MiB%s", path, mtp_model.ngram_table_bytes() / 2**20,
+                 " (memory-mapped)" if qwen4_exp.tables_mapped(model.language_model.model) else "")
     elif split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
         mtp_model.vision = load_vision(config, weights, path, target)
     del weights

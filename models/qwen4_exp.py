@@ -35,7 +35,9 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .caches import FULL_KV, KVSetting, QuantizedKVCache
 from .mlx_lm_compat import KVCache, Qwen35GatedDeltaNetBase, Qwen3NextSparseMoeBlock
+from .quantized_attention import attention as kv_attention
 
 MODEL_TYPE = "qwen4_exp"
 
@@ -256,6 +258,18 @@ class NGramEmbedding(nn.Module):
         self._offsets = [sum(self._sizes[:i]) for i in range(heads)]
         self._mult = layer_multipliers(args.vocab_size, self.n, ple_index, args.seed)
         self.ngram_embedding = nn.Embedding(ngram_table_rows(args, ple_index), args.ple_embed_dim // heads)
+        self.mapped = None  # the table memory-mapped from the checkpoint (models/ngram_tables.py), if so
+
+    def use_mapped(self, table: Any) -> None:
+        """Read rows from `table` (a MappedTable) instead of an in-memory `ngram_embedding`."""
+        if table.shape != self.ngram_embedding.weight.shape:
+            raise ValueError(f"n-gram table of shape {table.shape}, expected {self.ngram_embedding.weight.shape}")
+        del self["ngram_embedding"]
+        self.mapped = table
+
+    @property
+    def table_nbytes(self) -> int:
+        return self.mapped.nbytes if self.mapped is not None else self.ngram_embedding.weight.nbytes
 
     def ids(self, history: mx.array, T: int) -> mx.array:
         """Table rows [B, T, heads] of the last T tokens of `history` [B, n-1+T] (int64)."""
@@ -281,7 +295,8 @@ class NGramEmbedding(nn.Module):
         return mx.concatenate(blocks, axis=-1)[:, -T:].astype(mx.int32)
 
     def __call__(self, history: mx.array, T: int) -> mx.array:
-        e = self.ngram_embedding(self.ids(history, T))
+        ids = self.ids(history, T)
+        e = self.mapped.take(ids) if self.mapped is not None else self.ngram_embedding(ids)
         return e.reshape(*e.shape[:2], -1)
 
 
@@ -325,13 +340,12 @@ class PLE(nn.Module):
 # ---------------------------------------------------------------- attention with the QSA indexer
 
 
-class IndexedKVCache(KVCache):
-    """A KVCache that also keeps the QSA indexer's raw key per token, at the same offsets,
-    so `trim` rolls it back with the keys and values."""
+class IndexKeys:
+    """The QSA indexer's raw key per token, kept beside an attention cache's keys and values at
+    the same offsets (full precision whatever the KV setting: one small head per token), so
+    `trim` rolls it back with them."""
 
-    def __init__(self):
-        super().__init__()
-        self.index_keys: Optional[mx.array] = None  # [B, capacity, D]
+    index_keys: Optional[mx.array] = None  # [B, capacity, D]
 
     def update_index(self, start: int, keys: mx.array) -> mx.array:
         B, T, D = keys.shape
@@ -344,15 +358,39 @@ class IndexedKVCache(KVCache):
         self.index_keys[:, start:end] = keys
         return self.index_keys[:, :end]
 
+    def _index_state(self):
+        return self.index_keys[:, : self.offset] if self.index_keys is not None else None
+
+
+class IndexedKVCache(IndexKeys, KVCache):
+    """A full-precision KVCache with the indexer's keys."""
+
     @property
     def state(self):
-        index = self.index_keys[:, : self.offset] if self.index_keys is not None else None
-        return (*super().state, index)
+        return (*KVCache.state.fget(self), self._index_state())
 
     @state.setter
     def state(self, v):
         *base, self.index_keys = v
         KVCache.state.fset(self, tuple(base))
+
+
+class IndexedQuantizedKVCache(IndexKeys, QuantizedKVCache):
+    """A quantized KV cache (`--kv-bits`) with the indexer's keys (those stay full precision)."""
+
+    @property
+    def state(self):
+        return (*QuantizedKVCache.state.fget(self), self._index_state())
+
+    @state.setter
+    def state(self, v):
+        *base, self.index_keys = v
+        QuantizedKVCache.state.fset(self, tuple(base))
+
+
+def indexed_kv_cache(kv: KVSetting = FULL_KV) -> IndexKeys:
+    """An empty attention cache for an indexed layer at KV setting `kv`."""
+    return IndexedQuantizedKVCache(kv.group_size, kv.bits) if kv.quantized else IndexedKVCache()
 
 
 class Indexer(nn.Module):
@@ -366,7 +404,7 @@ class Indexer(nn.Module):
         self.q_layernorm = GroupedRMSNorm(self.dim, args.rms_norm_eps)
         self.k_layernorm = GroupedRMSNorm(self.dim, args.rms_norm_eps)
 
-    def selection(self, x: mx.array, offset: int, cache: Optional[IndexedKVCache]) -> mx.array:
+    def selection(self, x: mx.array, offset: int, cache: Optional[IndexKeys]) -> mx.array:
         """Which keys each query may attend to: [B, 1, T, offset+T] bool (causal included)."""
         B, T, _ = x.shape
         qk = self.index_qk_proj(x)
@@ -443,7 +481,10 @@ class Attention(nn.Module):
             mask = mx.arange(offset + T)[None] <= mx.arange(offset, offset + T)[:, None]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if getattr(cache, "bits", None) is not None:  # quantized KV: the project's quantized attention
+            out = kv_attention(q, k, v, cache, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(B, T, -1)))
 
@@ -566,8 +607,8 @@ class Model(nn.Module):
         return sanitize(weights, self.args)
 
 
-def make_cache(layers, gdn_cache_cls: Optional[type] = None) -> list:
-    """One cache per layer: attention layers an IndexedKVCache, GatedDeltaNet layers a
+def make_cache(layers, gdn_cache_cls: Optional[type] = None, kv: KVSetting = FULL_KV) -> list:
+    """One cache per layer: attention layers an indexed KV cache at `kv`, GatedDeltaNet layers a
     GatedDeltaNet cache (`gdn_cache_cls`, mlx-lm's ArraysCache by default) carrying a
     `ple` PLEState (None on layers without PLE)."""
     from .mlx_lm_compat import ArraysCache
@@ -575,7 +616,7 @@ def make_cache(layers, gdn_cache_cls: Optional[type] = None) -> list:
     out = []
     for layer in layers:
         if not layer.is_linear:
-            out.append(IndexedKVCache())
+            out.append(indexed_kv_cache(kv))
             continue
         c = gdn_cache_cls() if gdn_cache_cls is not None else ArraysCache(size=2)
         c.ple = PLEState() if layer.has_ple else None
@@ -643,7 +684,12 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
 
 def ngram_table_bytes(model: nn.Module) -> int:
     """Bytes the PLE n-gram tables hold (the start-up line reports them)."""
-    return sum(l.ple.ple_embedding.ngram_embedding.weight.nbytes for l in model.layers if l.has_ple)
+    return sum(l.ple.ple_embedding.table_nbytes for l in model.layers if l.has_ple)
+
+
+def tables_mapped(model: nn.Module) -> bool:
+    """Whether every PLE layer reads its n-gram table memory-mapped."""
+    return all(l.ple.ple_embedding.mapped is not None for l in model.layers if l.has_ple)
 
 
 def build(config: dict) -> Model:

@@ -4,7 +4,8 @@ The backbone's layers need the token ids (PLE) and carry several residual stream
 `forward` runs the model's own layer loop instead of mlx-lm's layers through the compiled
 and prefill paths; a batch runs row by row on the rows' own caches (`RowsCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
 state plus, with PLE, the n-gram and conv windows, all cut at the accepted length after
-a verify), an `IndexedKVCache` per attention layer (trimmed with the indexer's keys).
+a verify), an indexed KV cache per attention layer (`qwen4_exp.IndexKeys`: full precision or,
+with `--kv-bits`, quantized; trimmed with the indexer's keys).
 Parts not built yet refuse with `qwen4_exp: <part> is not supported yet`.
 """
 
@@ -19,6 +20,7 @@ from mtp_serve.backend import blas_threads_for
 from . import qwen4_exp
 from .caches import KVSetting, SpeculativeGDNCache
 from .mtp_model import MTPModel
+from .quantized_attention import native_supported
 from .rope_positions import RopePositions
 
 
@@ -36,41 +38,41 @@ class Qwen4ExpGDNCache(SpeculativeGDNCache):
 
 
 class Qwen4ExpMTPModel(MTPModel):
-    # Why the engine must not keep this family's snapshots on disk (the files would drop the
-    # indexer's keys and the PLE windows).
-    prompt_cache_disk_unsupported = qwen4_exp.unsupported("the prompt cache's disk tier").args[0]
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.compiled = None  # mlx-lm-layer paths; this backbone runs its own loop
         self.prefill = None
 
     def make_cache(self) -> List[Any]:
-        return [Qwen4ExpGDNCache(ple=l.has_ple) if l.is_linear else qwen4_exp.IndexedKVCache() for l in self.layers]
+        return [Qwen4ExpGDNCache(ple=l.has_ple) if l.is_linear else qwen4_exp.indexed_kv_cache(self.kv) for l in self.layers]
 
-    kv_bits_unsupported = qwen4_exp.unsupported("quantized KV (--kv-bits)").args[0]
-
-    def use_kv(self, kv: KVSetting) -> None:
-        if kv.quantized:
-            raise ValueError(self.kv_bits_unsupported)
-        self.kv = kv
+    def compute_dtype(self) -> mx.Dtype:
+        # There is no final norm; the mixer's norm stays unquantized in a quantized body.
+        return self.inner.hyper_connection_mixer.hc_norm.weight.dtype
 
     def kv_attention(self) -> str:
-        return "decode attention: full precision"
+        if not self.kv.quantized:
+            return "decode attention: full precision"
+        if native_supported(self.text.args.head_dim, self.kv.group_size, self.kv.bits, self.compute_dtype()):
+            return "decode attention on mtp-serve's kernel"
+        return "decode attention: mlx-lm's quantized attention"
 
     def kv_bytes_per_token(self) -> int:
+        """Attention KV bytes a token adds: keys and values at the KV setting, the indexer's key
+        at the compute dtype (kept unquantized), the head's keys and values."""
         args = self.text.args
-        itemsize = self.inner.embed_tokens.weight.dtype.size
+        itemsize = self.compute_dtype().size
         attn = sum(not l.is_linear for l in self.layers)
-        per = 2 * args.num_key_value_heads * args.head_dim + (args.indexer_head_dim or 0)
-        head = 2 * args.num_key_value_heads * args.head_dim if self.has_mtp else 0
-        return (attn * per + head) * itemsize
+        pair = 2 * args.num_key_value_heads * self.kv.bytes_per_vector(args.head_dim, itemsize)
+        per = pair + (args.indexer_head_dim or 0) * itemsize
+        return attn * per + (pair if self.has_mtp else 0)
 
     def ngram_table_bytes(self) -> int:
         return qwen4_exp.ngram_table_bytes(self.inner)
 
     def memory_note(self) -> str:
-        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB; "
+        mapped = " memory-mapped" if qwen4_exp.tables_mapped(self.inner) else ""
+        return f"PLE n-gram tables {self.ngram_table_bytes() / 2**20:,.1f} MiB{mapped}; "
 
     def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
                 embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
@@ -149,9 +151,9 @@ class RowsKVCache(RowsCache):
 def merge_rows(layers: List[List[Any]]) -> List[RowsCache]:
     """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as one
     RowsCache."""
-    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexedKVCache) else RowsGDNCache(rs) for rs in layers]
+    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexKeys) else RowsGDNCache(rs) for rs in layers]
 
 
 def holds_rows(caches: List[Any]) -> bool:
     """Whether these backbone caches are qwen4_exp's (merged per row in a batch)."""
-    return any(isinstance(c, (qwen4_exp.IndexedKVCache, RowsCache)) for c in caches)
+    return any(isinstance(c, (qwen4_exp.IndexKeys, RowsCache)) for c in caches)

@@ -163,7 +163,7 @@ def test_settings_are_checked_and_counted():
 
 
 @pytest.mark.parametrize("kv_setting", SETTINGS, ids=IDS)
-@pytest.mark.parametrize("family", MLX_LM_FAMILIES)
+@pytest.mark.parametrize("family", MLX_LM_FAMILIES + ("qwen4_exp",))
 def test_greedy_mtp_equals_plain_single_and_batched(family, kv_setting, at):
     lm = at(family, kv_setting)
     prompts = {"a": [5, 17, 99, 3, 42, 7, 250, 11], "b": list(range(30, 130, 3)), "c": [200] * 5 + [201, 202]}
@@ -216,6 +216,37 @@ def test_rejecting_rows_hold_what_a_cold_forward_holds(kv_setting, at):
         head_ref = model.make_head_cache()
         model.draft(hidden[:, :n], mx.array([tokens[1 : n + 1]]), head_ref)
         assert_same_quantized(caches.head, head_ref, n)
+
+
+@pytest.mark.parametrize("kv_setting", SETTINGS, ids=IDS)
+def test_qwen4_exp_rejected_verify_leaves_the_quantized_and_indexer_keys_of_plain_steps(kv_setting, at):
+    """qwen4_exp keeps its indexer's keys in the layer's KV cache: a captured verify of 4 tokens
+    cut at 1 leaves the quantized keys and values and the (full-precision) indexer keys of
+    plain steps over the kept token, and the next logits are plain steps' bit for bit."""
+    from mtp_serve.models.caches import keep_verified, set_capture
+    from mtp_serve.models.qwen4_exp import IndexedQuantizedKVCache
+
+    model = at("qwen4_exp", kv_setting).model
+    prompt, window = [5, 17, 257, 3, 42, 7, 9, 250, 11], [12, 13, 14, 15]
+    spec, plain = model.make_cache(), model.make_cache()
+    for c in (spec, plain):
+        model.forward(mx.array([prompt]), c)
+    set_capture(spec, True)
+    model.forward(mx.array([window]), spec)
+    set_capture(spec, False)
+    keep_verified(spec, [1], len(window))
+    model.forward(mx.array([window[:1]]), plain)
+    indexed = [(a, b) for a, b in zip(spec, plain) if not isinstance(a, SpeculativeGDNCache)]
+    assert indexed and all(isinstance(a, IndexedQuantizedKVCache) and a.bits == kv_setting.bits for a, _ in indexed)
+    n = len(prompt) + 1
+    for a, b in indexed:
+        assert a.offset == b.offset == n
+        assert_same_quantized(a, b, n)
+        assert mx.allclose(a.index_keys[:, :n], b.index_keys[:, :n], atol=1e-6).item()
+    la = model.forward(mx.array([[99]]), spec)[1]
+    lb = model.forward(mx.array([[99]]), plain)[1]
+    assert mx.allclose(la, lb, atol=1e-5).item()
+    assert snapshot_costs(model).kv_bytes_per_token == model.kv_bytes_per_token()  # the indexer keys counted
 
 
 def assert_same_quantized(ours, ref, n):
@@ -316,6 +347,10 @@ def state_after(cache, tokens):
     arrays = []
     for c in caches.backbone + [caches.head]:
         arrays += [a for p in c.state[:2] for a in kv_arrays(p)] if hasattr(c, "keys") else list(c.cache)
+        if getattr(c, "index_keys", None) is not None:  # qwen4_exp: the indexer's keys, the PLE windows
+            arrays.append(c.index_keys[:, : c.offset])
+        if getattr(c, "ple", None) is not None:
+            arrays += [c.ple.ngram, c.ple.conv]
     return arrays + [owed]
 
 
@@ -326,7 +361,7 @@ def assert_same_state(a, b):
 
 
 @pytest.mark.parametrize("kv_setting", SETTINGS, ids=IDS)
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_6_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_6_moe", "qwen3_next", "qwen4_exp"])
 def test_restored_from_memory_and_disk_equals_cold_plain(family, kv_setting, at, tmp_path):
     """Conversation B restores the quantized snapshot A left at the shared prefix, from
     memory and (in a restarted cache) from disk: its MTP output equals cold plain output at

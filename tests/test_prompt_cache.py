@@ -137,8 +137,11 @@ def test_a_request_joining_a_running_batch_restores_its_snapshot(loaded):
     assert out == run(lm, CONV_B, None, max_tokens=12)[0]
 
 
-def test_disk_tier_survives_a_restart_exactly(loaded, tmp_path):
-    lm = loaded("qwen3_5", agreeable=True)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen4_exp"])
+def test_disk_tier_survives_a_restart_exactly(family, loaded, tmp_path):
+    """A snapshot read back from disk (qwen4_exp: with its indexer keys and PLE n-gram and conv
+    windows) is bit for bit a cold prefill's state, and so is everything decoded from it."""
+    lm = loaded(family, agreeable=True)
     first = PromptCache(interval=256, disk=disk_tier(lm, tmp_path))
     run(lm, CONV_A, first)
     first.close()
@@ -151,6 +154,7 @@ def test_disk_tier_survives_a_restart_exactly(loaded, tmp_path):
     cold, cold_stats = run(lm, CONV_B, cold_cache)
     assert warm_stats.cached_tokens == len(SHARED) and restarted.counts["hits_disk"] == 1
     assert warm == cold and warm_stats.accepted == cold_stats.accepted
+    assert_same_state(state_after(restarted, SHARED), state_after(cold_cache, SHARED))  # as read from disk
     assert_same_state(state_after(restarted, CONV_B), state_after(cold_cache, CONV_B))
     restarted.close()
 

@@ -117,7 +117,7 @@ def test_a_rejected_verify_rolls_every_state_back_to_plain_steps(kept, lm):
     for t in window[:kept]:
         model.forward(mx.array([[t]]), plain)
     for a, b in zip(spec, plain):
-        if isinstance(a, qwen4_exp.IndexedKVCache):
+        if isinstance(a, qwen4_exp.IndexKeys):
             n = a.offset
             assert n == b.offset == len(prompt) + kept
             for x, y in [(a.keys[:, :, :n], b.keys[:, :, :n]), (a.values[:, :, :n], b.values[:, :, :n]),
@@ -136,24 +136,46 @@ def test_a_rejected_verify_rolls_every_state_back_to_plain_steps(kept, lm):
 def test_start_up_line_reports_the_ngram_tables(lm):
     args = lm.model.text.args
     rows = qwen4_exp.ngram_table_rows(args, 0) + qwen4_exp.ngram_table_rows(args, 1)
-    assert lm.model.ngram_table_bytes() == rows * 8 * 4  # two PLE layers of 8-wide rows, float32
-    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 32 / 2**20:.1f} MiB; "
+    # two PLE layers of 8-wide rows, bfloat16 in the files (mapped as stored)
+    assert lm.model.ngram_table_bytes() == rows * 8 * 2
+    assert lm.model.memory_note() == f"PLE n-gram tables {rows * 16 / 2**20:.1f} MiB memory-mapped; "
+
+
+def test_ngram_tables_are_memory_mapped_and_read_as_loaded_ones(lm, backbone, golden):
+    """The loaded model holds no n-gram table in memory (each PLE layer reads rows from a memmap
+    of the files), and the rows it reads are bit for bit those of the tables loaded into memory (the goldens
+    above check its logits against transformers)."""
+    from mlx.utils import tree_flatten
+
+    from mtp_serve.models.ngram_tables import MappedTable
+
+    assert qwen4_exp.tables_mapped(lm.model.inner)
+    assert not any("ngram_embedding" in k for k, _ in tree_flatten(lm.model.inner.parameters()))
+    layers = [l.ple.ple_embedding for l in lm.model.layers if l.has_ple]
+    assert all(isinstance(e.mapped, MappedTable) and len(e.mapped.shards) == 4 for e in layers)
+    assert all(isinstance(s, np.memmap) for e in layers for s in e.mapped.shards)
+    assert not qwen4_exp.tables_mapped(backbone)
+    loaded_in_memory = [l.ple.ple_embedding for l in backbone.layers if l.has_ple]
+    for mapped, ref in zip(layers, loaded_in_memory):
+        rows = mx.array(np.random.default_rng(0).integers(0, mapped.mapped.shape[0], (2, 9, 4)))
+        assert mx.array_equal(mapped.mapped.take(rows), ref.ngram_embedding(rows)).item()  # every shard's rows
+        history = mx.array(golden["a_tokens"])[None]
+        assert mx.array_equal(mapped(history, 5), ref(history, 5)).item()
     assert lm.mtp_status == "MTP on"
+    from mtp_serve.engine.prompt_cache.setup import snapshot_costs
+
+    assert snapshot_costs(lm.model).kv_bytes_per_token == lm.model.kv_bytes_per_token()  # indexer keys included
 
 
 def test_parts_not_built_yet_refuse_by_name(lm, tmp_path):
-    with pytest.raises(ValueError, match="qwen4_exp: quantized KV .* is not supported yet"):
-        from mtp_serve.models.caches import KVSetting
-
-        lm.model.use_kv(KVSetting(bits=8))
     with pytest.raises(ValueError, match="qwen4_exp: image input is not supported yet"):
         lm.model.forward(mx.array([[1]]), lm.model.make_cache(), embeds=mx.zeros((1, 1, 32)))
     from mtp_serve.engine.prompt_cache.setup import check_round_trip, open_prompt_cache
 
-    check_round_trip(lm.model)  # the memory tier snapshots and restores every state
+    check_round_trip(lm.model)  # the prompt cache snapshots and restores every state
     cache = open_prompt_cache(lm, "m", max_bytes=1 << 20, disk_dir=str(tmp_path / "disk"))
-    assert cache is not None and cache.disk is None  # the disk tier refuses (logged by name)
-    assert "disk tier is not supported yet" in lm.model.prompt_cache_disk_unsupported
+    assert cache is not None and cache.disk is not None  # the disk tier keeps them too
+    cache.close()
     # a quantized (mlx-community) body
     q = tmp_path / "q"
     shutil.copytree(CKPT, q)
@@ -181,7 +203,7 @@ def test_the_synthetic_family_writes_every_part(tmp_path):
 @pytest.mark.e2e
 def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tmp_path):
     """`mtp-serve --model DIR --enable-mtp` on the raw HF layout: the start-up line reports MTP
-    and the n-gram tables, the prompt cache keeps its memory tier, and greedy replies with MTP
+    and the n-gram tables, the prompt cache opens its disk tier, and greedy replies with MTP
     equal those without it, also while requests run together in a batch."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -211,7 +233,7 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
     assert replies[0] == replies[2] == replies[3] and replies[0]
     assert together == alone
     assert "MTP on, depth 2" in log and "PLE n-gram tables 0.3 MiB" in log
-    assert "qwen4_exp: the prompt cache's disk tier is not supported yet; keeping snapshots in memory only" in log
+    assert "disk tier" in log and "not supported yet" not in log
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -5,7 +5,9 @@ model and weights computed it, the snapshot's layout, and a CRC-32 and dtype
 per tensor: a file that is truncated, altered or from other weights fails to
 read with `BadFile` instead of restoring wrong state. Quantized KV parts are
 three tensors (`.k.0` packed, `.k.1` scales, `.k.2` biases) where a full
-precision part is one (`.k`), and the snapshot's info names its KV setting. Writes go to a temporary
+precision part is one (`.k`), and the snapshot's info names its KV setting. A layer's parts past
+keys and values (qwen4_exp: the indexer's keys; a PLE layer's n-gram and conv windows) follow as
+`.e0`, `.e1`, ..., so they restore exactly. Writes go to a temporary
 name in the same directory and are renamed into place, so a file under its
 final name is always complete.
 """
@@ -54,9 +56,12 @@ def _put(tensors: Tensors, dtypes: Dict[str, str], name: str, x: Optional[mx.arr
 
 
 def _put_pair(tensors: Tensors, dtypes: Dict[str, str], prefix: str, pair: Optional[Pair]) -> None:
+    """A layer's parts: `.k`, `.v`, then any further ones as `.e0`, `.e1`, ... (qwen4_exp's
+    indexer keys beside the KV; its PLE n-gram and conv windows beside a GatedDeltaNet state)."""
     if pair is None:
         return
-    for name, part in ((prefix + ".k", pair[0]), (prefix + ".v", pair[1])):
+    names = [prefix + ".k", prefix + ".v"] + [f"{prefix}.e{i}" for i in range(len(pair) - 2)]
+    for name, part in zip(names, pair):
         if isinstance(part, tuple):  # quantized: packed, scales, biases
             for i, x in enumerate(part):
                 _put(tensors, dtypes, f"{name}.{i}", x)
@@ -154,7 +159,12 @@ def _part(tensors: Dict[str, mx.array], name: str):
 
 def _pair(tensors: Dict[str, mx.array], prefix: str) -> Optional[Pair]:
     k, v = _part(tensors, prefix + ".k"), _part(tensors, prefix + ".v")
-    return None if k is None or v is None else (k, v)
+    if k is None or v is None:
+        return None
+    extra = []
+    while (x := _part(tensors, f"{prefix}.e{len(extra)}")) is not None:
+        extra.append(x)
+    return (k, v, *extra)
 
 
 def snapshot_from(tensors: Dict[str, mx.array], meta: dict, linear: Tuple[bool, ...], kv: KVSetting = FULL_KV) -> Snapshot:

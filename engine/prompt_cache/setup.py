@@ -86,8 +86,12 @@ def snapshot_costs(model) -> SnapshotCosts:
     for c in probe.backbone + ([probe.head] if probe.head is not None else []):
         if hasattr(c, "keys"):
             per_token += (kv_nbytes(c.keys) + kv_nbytes(c.values)) // kv_length(c.keys)
+            if getattr(c, "index_keys", None) is not None:  # qwen4_exp: the indexer's key per token
+                per_token += c.index_keys.nbytes // c.index_keys.shape[1]
         else:
             state += sum(a.nbytes for a in c.cache)
+            if getattr(c, "ple", None) is not None:  # qwen4_exp: a PLE layer's n-gram and conv windows
+                state += c.ple.ngram.nbytes + c.ple.conv.nbytes
     return SnapshotCosts(state, per_token, str(owed.dtype))
 
 
@@ -137,10 +141,6 @@ def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, int
     if interval is None:
         interval = auto_interval(costs)
     disk = None
-    refused = getattr(model, "prompt_cache_disk_unsupported", None)
-    if disk_dir and refused:
-        log.warning("prompt cache: %s; keeping snapshots in memory only", refused)
-        disk_dir = None
     if disk_dir:
         folder = Path(disk_dir).expanduser()
         if disk_bytes is None:
@@ -152,5 +152,5 @@ def open_prompt_cache(loaded, name: str, *, max_bytes: Optional[int] = None, int
         disk = DiskTier(folder, name, fingerprint, disk_bytes, layout, model.kv)
     log.info("prompt cache: %.2f GiB of memory, KV %s (%d bytes a token), a snapshot every %d tokens inside long "
              "messages%s", max_bytes / 2**30, model.kv, costs.kv_bytes_per_token, interval,
-             f"; disk tier {disk.dir} ({disk_bytes / 2**30:.2f} GiB, {len(disk)} snapshots found)" if disk else "")
+             f"; disk tier {disk.dir} ({disk_bytes / 2**30:.2f} GiB, {len(disk)} snapshots found)" if disk is not None else "")
     return PromptCache(max_bytes, interval, disk, model.kv)

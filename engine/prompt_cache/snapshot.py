@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtp_serve.models.caches import FULL_KV, KVSetting, SpeculativeGDNCache, kv_concatenate, kv_length, kv_map, kv_nbytes
-from mtp_serve.models.qwen4_exp import IndexedKVCache
+from mtp_serve.models.qwen4_exp import IndexKeys, indexed_kv_cache
 from mtp_serve.models.qwen4_exp_mtp import Qwen4ExpGDNCache
 
 from ..sequence import RowCaches
@@ -201,7 +201,7 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
     fresh: List[mx.array] = []
 
     def cut(c, start: int, end: int) -> Pair:
-        parts = (c.keys, c.values) + ((c.index_keys,) if isinstance(c, IndexedKVCache) else ())
+        parts = (c.keys, c.values) + ((c.index_keys,) if isinstance(c, IndexKeys) else ())
         pair = tuple(_own(kv_map(lambda x: x[..., start:end, :], p)) for p in parts)
         fresh.extend(pair)
         return pair
@@ -229,9 +229,9 @@ def capture(tokens: Seq[int], caches: RowCaches, owed: Optional[mx.array], store
 
 def _kv_cache(parts: List[Any], values: List[Any], kv: KVSetting, index: Optional[List[mx.array]] = None) -> Any:
     """An attention cache at setting `kv` holding the concatenated parts (and, with `index`,
-    the QSA indexer's keys: an IndexedKVCache), with a step of free positions so the next
+    the QSA indexer's keys: an indexed cache), with a step of free positions so the next
     update writes in place instead of reallocating."""
-    cache = kv.make() if index is None else IndexedKVCache()
+    cache = kv.make() if index is None else indexed_kv_cache(kv)
     room = cache.step
     k, v = kv_concatenate(parts), kv_concatenate(values)
     cache.offset = kv_length(k)

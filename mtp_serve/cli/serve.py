@@ -237,8 +237,6 @@ def main(argv=None) -> int:
 
     try:
         KVSetting(args.kv_bits, args.kv_group_size).check([loaded.model.text.args.head_dim])
-        if args.kv_bits and getattr(loaded.model, "kv_bits_unsupported", None):
-            raise ValueError(loaded.model.kv_bits_unsupported)
     except ValueError as e:
         return error(str(e))
     is_repo_id = bool(args.model) and not Path(args.model).expanduser().exists()
