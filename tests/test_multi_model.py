@@ -327,7 +327,7 @@ def test_example_config_served_end_to_end(dense, moe, tmp_path):
     (tmp_path / "two.toml").write_text(text)
     args = argparse.Namespace(config=str(tmp_path / "two.toml"), model=None, max_loaded_bytes=None, prompt_cache_bytes=None,
                               served_model_name=None, enable_mtp=False, mtp_depth=None, draft_vocab=None,
-                              max_context=None, max_batch_size=8, max_queue=64)
+                              draft_head_bits=None, max_context=None, max_batch_size=8, max_queue=64)
     more = several_models(args)
     assert args.model == str(dense) and args.served_model_name == "main" and args.enable_mtp and args.mtp_depth == 3
     assert args.max_batch_size == 4 and args.prompt_cache_bytes == 3 << 30 and args.max_loaded_bytes == 16 << 30
@@ -354,8 +354,8 @@ def test_model_flag_twice(dense, moe):
     flags as defaults and its folder's name; a name given twice is refused."""
     def ns(**kw):
         return argparse.Namespace(**{**dict(config=None, max_loaded_bytes=None, prompt_cache_bytes=0, served_model_name="a",
-                                            enable_mtp=True, mtp_depth=2, draft_vocab=None, max_context=None,
-                                            max_batch_size=8, max_queue=64), **kw})
+                                            enable_mtp=True, mtp_depth=2, draft_vocab=None, draft_head_bits=None,
+                                            max_context=None, max_batch_size=8, max_queue=64), **kw})
 
     args = ns(model=[str(dense), str(moe)])
     more = several_models(args)
