@@ -17,16 +17,13 @@ from mlx.utils import tree_flatten
 
 from mtp_serve.cli import draft_choice
 from mtp_serve.cli.draft_choice import MARGIN, REFERENCE, DraftSetting, choose, ladder, within_margin
-from mtp_serve.engine.generator import generate
-from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.sampling import SamplingParams
-from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.models.draft_head import head_is_quantized, quantized_head
 from mtp_serve.models.draft_vocab import DRAFT_VOCAB_FILE, tokenizer_order
 from mtp_serve.models.graft import graft
 from mtp_serve.models.loader import load_model
 from mtp_serve.models.model_card import load_card
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded
+from support.greedy import batched_greedy, greedy
 from support.native import needs_qmm_kernel
 
 N_TOKENS = 24
@@ -90,24 +87,11 @@ def quantized_body(checkpoint_dir):
 
 
 def _greedy(lm, prompt, depth):
-    out, stats = [], None
-    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True), depth,
-                          copy_max=0):
-        out += chunk.token_ids
-        stats = chunk.stats
-    return out, stats
+    return greedy(lm, prompt, depth, N_TOKENS, copy_max=0)
 
 
 def _batched(lm, prompts, depth):
-    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=4, prefill_chunk=16, policy=DepthPolicy(max_depth=depth, fixed=True))
-    for i, p in enumerate(prompts):
-        sched.add(i, p, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True), depth)
-    out = {i: [] for i in range(len(prompts))}
-    while sched.has_work():
-        for key, chunk in sched.step():
-            assert not isinstance(chunk, Exception), chunk
-            out[key] += chunk.token_ids
-    return [out[i] for i in range(len(prompts))]
+    return batched_greedy(lm, prompts, depth, N_TOKENS)
 
 
 @needs_qmm_kernel()

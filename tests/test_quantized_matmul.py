@@ -27,10 +27,6 @@ import pytest
 
 from mtp_serve import BACKEND, skinny_gemm
 from mtp_serve import quantized_matmul as qmm_ext
-from mtp_serve.engine.generator import generate
-from mtp_serve.engine.policy import DepthPolicy
-from mtp_serve.engine.sampling import SamplingParams
-from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.models.quantized_layers import (
     DecodeQuantizedEmbedding,
     DecodeQuantizedLinear,
@@ -40,6 +36,7 @@ from mtp_serve.models.quantized_layers import (
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
 from mtp_serve.testing.synthetic import FAMILIES, MLX_LM_FAMILIES
+from support.greedy import batched_greedy, greedy
 from support.native import needs_qmm_kernel
 
 REL_TOL = 2e-5
@@ -467,24 +464,11 @@ def quantized(checkpoint_dir):
 
 
 def _greedy(lm, prompt, depth):
-    out, stats = [], None
-    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True), depth=depth):
-        out += chunk.token_ids
-        stats = chunk.stats
-    return out, stats
+    return greedy(lm, prompt, depth, N_TOKENS)
 
 
 def _batched(lm, prompts, depth):
-    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=4, prefill_chunk=16,
-                      policy=DepthPolicy(max_depth=depth, fixed=True))
-    for i, p in enumerate(prompts):
-        sched.add(i, p, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True), depth)
-    out = {i: [] for i in range(len(prompts))}
-    while sched.has_work():
-        for key, chunk in sched.step():
-            assert not isinstance(chunk, Exception), chunk
-            out[key] += chunk.token_ids
-    return [out[i] for i in range(len(prompts))]
+    return batched_greedy(lm, prompts, depth, N_TOKENS)
 
 
 def _plain_gap(lm, prompt, tokens, i):
