@@ -358,34 +358,24 @@ class IndexKeys:
         self.index_keys[:, start:end] = keys
         return self.index_keys[:, :end]
 
-    def _index_state(self):
-        return self.index_keys[:, : self.offset] if self.index_keys is not None else None
+    @property
+    def state(self):
+        """The attention cache's state, then the index keys up to its offset."""
+        keys = self.index_keys[:, : self.offset] if self.index_keys is not None else None
+        return (*super().state, keys)
+
+    @state.setter
+    def state(self, v):
+        *base, self.index_keys = v
+        super(IndexKeys, type(self)).state.__set__(self, tuple(base))  # the attention cache's own setter
 
 
 class IndexedKVCache(IndexKeys, KVCache):
     """A full-precision KVCache with the indexer's keys."""
 
-    @property
-    def state(self):
-        return (*KVCache.state.fget(self), self._index_state())
-
-    @state.setter
-    def state(self, v):
-        *base, self.index_keys = v
-        KVCache.state.fset(self, tuple(base))
-
 
 class IndexedQuantizedKVCache(IndexKeys, QuantizedKVCache):
     """A quantized KV cache (`--kv-bits`) with the indexer's keys (those stay full precision)."""
-
-    @property
-    def state(self):
-        return (*QuantizedKVCache.state.fget(self), self._index_state())
-
-    @state.setter
-    def state(self, v):
-        *base, self.index_keys = v
-        QuantizedKVCache.state.fset(self, tuple(base))
 
 
 def indexed_kv_cache(kv: KVSetting = FULL_KV) -> IndexKeys:
