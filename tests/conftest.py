@@ -103,8 +103,8 @@ def stock_converted(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def scripted_checkpoint(tmp_path_factory):
-    """The scripted model of tests/support/server.py (trained once per session): fixed replies
-    with reasoning, tool calls and malformed tool text."""
+    """The scripted model of tests/support/server.py (the committed one while it is current,
+    else trained once per session): fixed replies with reasoning, tool calls and malformed tool text."""
     from support.server import write_scripted_checkpoint
 
     return write_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "model")

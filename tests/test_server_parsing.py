@@ -6,11 +6,22 @@ import json
 import openai
 import pytest
 
-from support.server import MALFORMED, SCRIPT, THINK, NO_THINK, WEATHER_TOOL, serve
+from support.server import (COMMITTED, MALFORMED, NO_THINK, SCRIPT, THINK, WEATHER_TOOL, committed_fingerprint,
+                            script_sequences, scripted_fingerprint, serve)
 
 pytestmark = pytest.mark.e2e  # a live server (conftest.py: test tiers)
 
 WEATHER_PT, OSLO, HI, BROKEN, ROME = (s[0] for s in SCRIPT)
+
+
+def test_the_committed_scripted_model_is_current():
+    """tests/data/scripted_model was trained on today's SCRIPT by today's training code; after a
+    change to either, `python tests/support/server.py` retrains it (test runs would train their own)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(COMMITTED))
+    assert committed_fingerprint() == scripted_fingerprint(script_sequences(tokenizer)), \
+        "run `python tests/support/server.py` to retrain tests/data/scripted_model"
 
 
 @pytest.fixture(scope="module")

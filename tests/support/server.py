@@ -1,13 +1,17 @@
 """Helpers for the server tests: a real uvicorn server on loopback, and a small model
-trained (in a few seconds) to answer fixed prompts with fixed replies that hold
-reasoning, tool calls and malformed tool text, so the parsers see real model output.
+trained to answer fixed prompts with fixed replies that hold reasoning, tool calls and
+malformed tool text, so the parsers see real model output (committed in tests/data/scripted_model;
+`python tests/support/server.py` retrains it).
 
 Imported by the server tests (tests/test_server*.py and the API tests).
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -114,11 +118,23 @@ SCRIPT = [
 ]
 IM_END = 258
 VERBOSE = False
+# The trained model, committed so that test runs skip the training; used while its fingerprint
+# (the token sequences it learns and the code that trains it) matches.
+COMMITTED = Path(__file__).resolve().parent.parent / "data" / "scripted_model"
 
 
 def _render(tokenizer, messages, tools, kwargs) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                          chat_template=SCRIPT_TEMPLATE, **kwargs)
+
+
+def script_sequences(tokenizer) -> list:
+    """(prompt, reply) token ids of every SCRIPT entry."""
+    seqs = []
+    for messages, tools, kwargs, forced, reply in SCRIPT:
+        prompt = tokenizer.encode(_render(tokenizer, messages, tools, kwargs) + forced, add_special_tokens=False)
+        seqs.append((prompt, tokenizer.encode(reply, add_special_tokens=False) + [IM_END]))
+    return seqs
 
 
 def _memorized(model, x, y, mask) -> bool:
@@ -140,12 +156,11 @@ def write_scripted_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_byte_tokenizer(out_dir, chat_template=SCRIPT_TEMPLATE)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
-    seqs = []
-    for messages, tools, kwargs, forced, reply in SCRIPT:
-        prompt = tok.encode(_render(tok, messages, tools, kwargs) + forced, add_special_tokens=False)
-        answer = tok.encode(reply, add_special_tokens=False) + [IM_END]
-        seqs.append((prompt, answer))
+    seqs = script_sequences(PreTrainedTokenizerFast.from_pretrained(str(out_dir)))
+    fingerprint = scripted_fingerprint(seqs, steps, seed)
+    if committed_fingerprint() == fingerprint:
+        shutil.copytree(COMMITTED, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("fingerprint"))
+        return out_dir
     L = max(len(p) + len(a) for p, a in seqs)
     x = mx.zeros((len(seqs), L - 1), mx.int32)
     y = mx.zeros((len(seqs), L - 1), mx.int32)
@@ -181,4 +196,22 @@ def write_scripted_checkpoint(out_dir: Path, steps: int = 400, seed: int = 0) ->
         raise RuntimeError("the scripted model did not memorize its replies")
     save_hf_checkpoint(out_dir, hf_weights(model, head, config["model_type"]), config, dtype=mx.float32)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": IM_END}))
+    (out_dir / "fingerprint").write_text(fingerprint)
     return out_dir
+
+
+def scripted_fingerprint(seqs, steps: int = 400, seed: int = 0) -> str:
+    code = inspect.getsource(write_scripted_checkpoint) + inspect.getsource(_memorized)
+    blob = json.dumps({"seqs": seqs, "steps": steps, "seed": seed, "template": SCRIPT_TEMPLATE, "code": code})
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def committed_fingerprint() -> str:
+    f = COMMITTED / "fingerprint"
+    return f.read_text() if f.exists() else ""
+
+
+if __name__ == "__main__":  # python tests/support/server.py: retrain and commit the scripted model
+    shutil.rmtree(COMMITTED, ignore_errors=True)
+    write_scripted_checkpoint(COMMITTED)
+    print(f"wrote {COMMITTED}")
