@@ -15,13 +15,15 @@ from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.models.caches import before_step, undo_step
 
 
-def drive(lm, requests, *, pipeline, arrivals=None, cancel=None, max_batch=8):
-    """requests: {key: (prompt, params, depth)}; arrivals/cancel: {key: step}. Unseeded rows
-    draw from a generator seeded by their key, so both loops see the same random stream."""
+def drive(lm, requests, *, pipeline, arrivals=None, cancel=None, cancel_mid=None, max_batch=8):
+    """requests: {key: (prompt, params, depth)}; arrivals/cancel: {key: step}; cancel_mid:
+    {key: step}, cancelled while that step runs (after its first result, as a client that
+    disconnects mid-step). Unseeded rows draw from a generator seeded by their key, so both
+    loops see the same random stream."""
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=max_batch, prefill_chunk=8,
                       policy=DepthPolicy(max_depth=3, fixed=True), copy_max=0, pipeline=pipeline)
     arrivals = arrivals or {k: 0 for k in requests}
-    cancel = cancel or {}
+    cancel, cancel_mid = cancel or {}, cancel_mid or {}
     out = {k: ([], "", None, []) for k in requests}
     step = 0
     while step == 0 or sched.has_work() or any(a >= step for a in arrivals.values()):
@@ -34,6 +36,9 @@ def drive(lm, requests, *, pipeline, arrivals=None, cancel=None, max_batch=8):
             if c == step:
                 sched.cancel(k)
         for key, chunk in sched.step():
+            for k, c in cancel_mid.items():
+                if c == step:
+                    sched.cancel(k)
             assert not isinstance(chunk, Exception), chunk
             toks, text, _, lps = out[key]
             lp = [(t.token, t.logprob, list(t.top)) for t in chunk.logprobs or []]
@@ -82,10 +87,11 @@ def test_pipelined_batch_with_stops_cancellation_grammar_and_drafting_rows_equal
         "m": ([20, 21, 22], SamplingParams(max_tokens=12, ignore_eos=True), 2),
     }
     arrivals = {"a": 0, "b": 0, "m": 0, "c": 3, "d": 6, "e": 10, "g": 14}
-    plain, piped, sched = both(lm, requests, arrivals=arrivals, cancel={"e": 22})
+    plain, piped, sched = both(lm, requests, arrivals=arrivals, cancel={"e": 22}, cancel_mid={"c": 17})
     assert piped == plain
     assert plain["d"][2] == "stop" and len(plain["d"][0]) < 30
     assert plain["e"][2] is None and 0 < len(plain["e"][0]) < 40  # cancelled mid-stream
+    assert plain["c"][2] is None and 0 < len(plain["c"][0]) < 45
     assert sched.undone > 0  # passes were started and taken back (joins, the stop, the cancel)
 
 
