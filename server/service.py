@@ -48,7 +48,7 @@ class ServerConfig:
     mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
     fixed_depth: bool = False  # draft exactly mtp_depth every round instead
     copy_max: int = MAX_COPY  # --copy-drafts: most tokens a row copies from its context per round; 0: none
-    pipeline: bool = True  # plain rounds start the next step's pass before their tokens reach the host (--no-pipeline)
+    pipeline: bool = True  # plain rounds start the next step's pass before their tokens reach the host (--no-pipelined-decode)
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
