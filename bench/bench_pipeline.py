@@ -5,7 +5,9 @@
 
 The demo model by default (the one `mtp-serve` runs with no --model). On held-out code
 prompts, greedy, every mode once per prompt in round-robin order (rotated per prompt, to
-spread machine noise over the modes), after one untimed warm-up run per mode:
+spread machine noise over the modes), after one untimed warm-up run per mode; the two modes of
+each pair run back to back (their order alternating per prompt), and each pair's ratio is the
+median of its per-prompt ratios, so load that changes between prompts cancels:
 
 * `plain`: depth 0, the next step's backbone pass started before the current step's token
   reaches the host (`engine/pipeline.py`), against `plain unpipelined`;
@@ -111,9 +113,11 @@ def main() -> None:
         modes[name](prompts[0][1])
     results: Dict[str, List[RunResult]] = {n: [] for n in names}
     loads = [os.getloadavg()[0]]
+    units = [list(pair) for pair in pairs] + [[n] for n in names if not any(n in pair for pair in pairs)]
     for i, (_, prompt) in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            results[name].append(modes[name](prompt))
+        for unit in units[i % len(units):] + units[: i % len(units)]:
+            for name in (unit if i % 2 == 0 else unit[::-1]):
+                results[name].append(modes[name](prompt))
         loads.append(os.getloadavg()[0])
 
     rate = {n: median([r.decode_tok_s for r in rs]) for n, rs in results.items()}
@@ -126,8 +130,10 @@ def main() -> None:
     summary = {}
     for a, b in pairs:
         same = all(x.tokens == y.tokens for x, y in zip(results[a], results[b]))
-        summary[a] = {"ratio": rate[a] / rate[b], "identical": same}
-        print(f"{a} / {b}: {rate[a] / rate[b]:.3f}x; tokens identical: {same}")
+        ratios = sorted(x.decode_tok_s / y.decode_tok_s for x, y in zip(results[a], results[b]))
+        summary[a] = {"ratio": median(ratios), "ratios": ratios, "identical": same}
+        print(f"{a} / {b}: {median(ratios):.3f}x (median of {len(ratios)} back-to-back pairs, "
+              f"{ratios[0]:.2f}-{ratios[-1]:.2f}); tokens identical: {same}")
     if "mlx-lm plain" in rate:
         same = sum(x.tokens == y.tokens for x, y in zip(results["plain"], results["mlx-lm plain"]))
         print(f"plain / mlx-lm plain: {rate['plain'] / rate['mlx-lm plain']:.3f}x; "
