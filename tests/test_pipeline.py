@@ -12,7 +12,7 @@ from mtp_serve.engine.grammar import Constraint
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.sampling import Rng, SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
-from mtp_serve.models.caches import before_step, undo_step
+from mtp_serve.models.caches import FULL_KV, KVSetting, before_step, steps_back, undo_step
 
 
 def drive(lm, requests, *, pipeline, arrivals=None, cancel=None, cancel_mid=None, max_batch=8):
@@ -56,7 +56,7 @@ def both(lm, requests, **kw):
     return plain, piped, sched
 
 
-def test_pipelined_greedy_and_seeded_single_rows_equal_unpipelined(loaded):
+def test_pipelined_single_rows_equal_unpipelined_greedy_penalized_seeded_and_sampled(loaded):
     lm = loaded("qwen3_5", agreeable=True)
     requests = {
         "greedy": ([3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2), 0),
@@ -95,11 +95,20 @@ def test_pipelined_batch_with_stops_cancellation_grammar_and_drafting_rows_equal
     assert sched.undone > 0  # passes were started and taken back (joins, the stop, the cancel)
 
 
+@pytest.mark.parametrize("kv", [FULL_KV, KVSetting(8, 32)], ids=["full-kv", "kv8"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_undo_step_restores_every_cache(loaded, rows):
+def test_undo_step_restores_every_cache(loaded, rows, kv):
     """One step forward and back: every layer's arrays and offsets as before, and the next
-    step's logits those of a loop that never took the step."""
-    lm = loaded("qwen3_5", agreeable=True)
+    step's logits those of a loop that never took the step (full and 8-bit KV caches)."""
+    lm = loaded("qwen3_5", agreeable=True, head_dim=32)  # (the KV group size divides it)
+    lm.model.use_kv(kv)
+    try:
+        _step_and_undo(lm, rows)
+    finally:
+        lm.model.use_kv(FULL_KV)
+
+
+def _step_and_undo(lm, rows):
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=rows, prefill_chunk=None,
                       policy=DepthPolicy(max_depth=0, fixed=True), pipeline=False)
     for i in range(rows):
@@ -107,6 +116,7 @@ def test_undo_step_restores_every_cache(loaded, rows):
     for _ in range(rows + 3):
         list(sched.step())
     cache = sched.batch.cache
+    assert steps_back(cache)
     tokens = mx.array([[s.primary] for s in sched.batch.rows])
 
     def snapshot():
