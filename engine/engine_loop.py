@@ -121,6 +121,7 @@ class EngineLoop:
         prompt_cache: Optional[PromptCache] = None,
         policy: Optional[DepthPolicy] = None,
         copy_max: int = MAX_COPY,
+        pipeline: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -128,7 +129,8 @@ class EngineLoop:
         self.max_active = max_active
         self.prompt_cache = prompt_cache
         self.scheduler: SchedulerLike = Scheduler(model, tokenizer, max_batch_size=max_active, prefill_chunk=prefill_chunk,
-                                   prompt_cache=prompt_cache, policy=policy, copy_max=copy_max)
+                                   prompt_cache=prompt_cache, policy=policy, copy_max=copy_max,
+                                   pipeline=pipeline)
         self._waiting: Deque[RequestHandle] = deque()
         self._active: Dict[int, RequestHandle] = {}  # in the scheduler (prefilling or running)
         self._jobs: Deque[Job] = deque()

@@ -32,10 +32,13 @@ def generate(
     policy: Optional[DepthPolicy] = None,
     images: tuple = (),
     copy_max: int = MAX_COPY,
+    pipeline: bool = True,
 ) -> Iterator[GenerationChunk]:
-    """`copy_max`: most tokens copied from the context per round (0: the head's drafts alone)."""
+    """`copy_max`: most tokens copied from the context per round (0: the head's drafts alone);
+    `pipeline`: plain rounds start the next step's pass before their token reaches the host."""
     sched = Scheduler(model, tokenizer, max_batch_size=1, prefill_chunk=None, prompt_cache=prompt_cache,
-                      policy=policy or DepthPolicy(max_depth=depth, fixed=True), copy_max=copy_max)
+                      policy=policy or DepthPolicy(max_depth=depth, fixed=True), copy_max=copy_max,
+                      pipeline=pipeline)
     sched.add(0, prompt, params, depth, checkpoints, images)  # bad input raises here, not on the first next()
     return _chunks(sched)
 

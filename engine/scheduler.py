@@ -35,7 +35,8 @@ from .context_drafts import MAX_COPY, MIN_COPY
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .sequence import Sequence, Status, new_sequence
-from .speculative import CertainDrafts, RoundSync, run_round
+from .pipeline import Pending, accept_plain, can_pipeline, launch, plain_choice, undo
+from .speculative import Accepted, CertainDrafts, RoundSync, commit, draft, run_round, verify
 
 log = logging.getLogger("mtp_serve.engine")
 _COMPILER_LOCK = threading.Lock()
@@ -79,6 +80,7 @@ class Scheduler(SchedulerLike):
         policy: Optional[DepthPolicy] = None,
         sync: Optional[RoundSync] = None,
         copy_max: int = MAX_COPY,
+        pipeline: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -96,6 +98,12 @@ class Scheduler(SchedulerLike):
         self.last_round: Dict[Hashable, Tuple[int, int]] = {}  # key -> (head drafts, accepted) in the last round
         self.last_certain: Dict[Hashable, int] = {}  # key -> copied or forced drafts in the last round
         self._grammars: Optional[GrammarCompiler] = None
+        # Plain rounds start the next step's backbone pass before their tokens reach the host
+        # (`pipeline.py`); `_pending` is that pass until the next round takes or undoes it.
+        self.pipeline = pipeline
+        self._pending: Optional[Pending] = None
+        self.launched = 0  # passes started ahead (pipelined rounds)
+        self.undone = 0  # of those, taken back unused
 
     # -- requests
 
@@ -179,6 +187,7 @@ class Scheduler(SchedulerLike):
         if seq.finished:
             self._forget(seq)
         else:
+            self._drain()  # the started pass ran without the new row
             self.batch.add(seq)
 
     def _round(self) -> List[Tuple[Hashable, Any]]:
@@ -191,7 +200,11 @@ class Scheduler(SchedulerLike):
             certain = self._certain_drafts(rows, depths) if self.sync is None else None
             if certain is not None:
                 depths = [0 if c else d for c, d in zip(certain.chains, depths)]
-            accepted = run_round(self.model, self.batch, depths, self.sync, certain)
+            if self.pipeline and self.sync is None and certain is None and not any(depths) and can_pipeline(self.batch):
+                accepted = self._plain_round(rows, depths)
+            else:
+                self._drain()
+                accepted = run_round(self.model, self.batch, depths, self.sync, certain)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
@@ -203,6 +216,8 @@ class Scheduler(SchedulerLike):
             self.policy.observe_copies(rows, [len(c) for c in certain.chains], certain.sources, accepted.counts, elapsed)
         self.last_round = {s.key: (d, m if d else 0) for s, d, m in zip(rows, depths, accepted.counts)}
         self.last_certain = {s.key: len(c) for s, c in zip(rows, certain.chains) if c} if certain is not None else {}
+        if any(s.finished or _grammar_failed(s) for s in rows):
+            self._drain()  # rows leave: the batch's caches as the round left them
         for i, s in enumerate(rows):
             if _grammar_failed(s):  # its own matcher failed (a grammar-engine limit): this row alone ends
                 out[i] = (s.key, GrammarError(f"the output constraint failed: {s.grammar.error}"))
@@ -210,6 +225,32 @@ class Scheduler(SchedulerLike):
             elif s.finished:
                 self._leave(s, store=True)
         return out
+
+    def _plain_round(self, rows: List[Sequence], depths: List[int]) -> Accepted:
+        """A round without drafts, pipelined: it takes the pass the last round started (if
+        any), and starts the next one over its own tokens, still lazy, before they reach the
+        host; rows at their last token start none (they stop after this round)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.matches(self.batch):
+            undo(self.batch, pending)
+            self.undone += 1
+            pending = None
+        drafts = draft(self.model, self.batch, depths)
+        verified = verify(self.model, self.batch, drafts, pending.outputs if pending is not None else None)
+        tokens = plain_choice(verified, rows)
+        if all(s.tokens_left > 1 for s in rows):
+            self._pending = launch(self.model, self.batch, tokens)
+            self.launched += 1
+        accepted = accept_plain(verified, tokens)
+        commit(self.batch, accepted)
+        return accepted
+
+    def _drain(self) -> None:
+        """Undo the started pass (the batch changes, a row stops, or the next round drafts)."""
+        if self._pending is not None:
+            undo(self.batch, self._pending)
+            self._pending = None
+            self.undone += 1
 
     def _certain_drafts(self, rows: List[Sequence], depths: List[int]) -> Optional[CertainDrafts]:
         """Drafts that come with certainty, for rows that speculate: under a grammar, the
@@ -244,6 +285,7 @@ class Scheduler(SchedulerLike):
         for s in self.batch.rows:
             self._forget(s)
         self.batch = Batch()
+        self._pending = None
 
     def drop_all(self) -> None:
         """Forget every request (the engine failed them all after a step failed as a whole)."""
@@ -290,7 +332,10 @@ class Scheduler(SchedulerLike):
         for seq in [s for s in self.prefilling if s.status is Status.CANCELLED]:
             self.prefilling.remove(seq)
             self._forget(seq)
-        for seq in [s for s in self.batch.rows if s.status is Status.CANCELLED]:
+        cancelled = [s for s in self.batch.rows if s.status is Status.CANCELLED]
+        if cancelled:
+            self._drain()
+        for seq in cancelled:
             self._leave(seq)
 
 

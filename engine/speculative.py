@@ -41,7 +41,7 @@ commit rolls it back over the rejected ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 
@@ -259,18 +259,17 @@ def _pad_right(x: mx.array, n: int) -> mx.array:
 # ---------------------------------------------------------------- 2. verify
 
 
-def verify(model: MTPModel, batch: Batch, drafts: Drafts) -> Verified:
+def verify(model: MTPModel, batch: Batch, drafts: Drafts,
+           forwarded: Optional[Tuple[mx.array, mx.array]] = None) -> Verified:
     """One backbone pass over [x, d_1 .. d_W-1] per row. GatedDeltaNet layers capture
-    the window's states so the commit can keep any prefix (nothing to capture at W=1)."""
+    the window's states so the commit can keep any prefix (nothing to capture at W=1).
+    `forwarded`: the pass's (hidden, logits), already started over the primaries (a plain
+    round of pipelined decoding, `pipeline.py`)."""
     rows = batch.rows
-    inputs = mx.array([[s.primary] for s in rows])
-    if drafts.tokens is not None:
-        inputs = mx.concatenate([inputs, drafts.tokens], axis=1)
-    capture = drafts.width > 1
-    set_capture(batch.cache, capture)
-    hidden, logits = model.forward(inputs, batch.cache, rope=batch.rope)
-    if capture:
-        set_capture(batch.cache, False)
+    if forwarded is not None:
+        hidden, logits = forwarded
+    else:
+        hidden, logits = _forward(model, batch, drafts)
     allowed = _window_masks(rows, drafts, logits)
     p = [
         logits[i] if _argmax_only(s) else
@@ -280,6 +279,18 @@ def verify(model: MTPModel, batch: Batch, drafts: Drafts) -> Verified:
     ]
     argmax = mx.argmax(logits, axis=-1) if any(_argmax_only(s) for s in rows) else None
     return Verified(drafts, hidden, p, argmax)
+
+
+def _forward(model: MTPModel, batch: Batch, drafts: Drafts) -> Tuple[mx.array, mx.array]:
+    inputs = mx.array([[s.primary] for s in batch.rows])
+    if drafts.tokens is not None:
+        inputs = mx.concatenate([inputs, drafts.tokens], axis=1)
+    capture = drafts.width > 1
+    set_capture(batch.cache, capture)
+    hidden, logits = model.forward(inputs, batch.cache, rope=batch.rope)
+    if capture:
+        set_capture(batch.cache, False)
+    return hidden, logits
 
 
 def _window_masks(rows: List[Sequence], drafts: Drafts, logits: mx.array) -> List[Optional[mx.array]]:

@@ -422,3 +422,24 @@ def keep_verified(cache: List[Any], kept: List[int], width: int) -> None:
             c.select(select)
         else:
             trim_per_row(c, rejected)
+
+
+def steps_back(cache: List[Any]) -> bool:
+    """Whether `undo_step` can take one decode step back out of these backbone caches
+    (attention KV drops its last entry; GatedDeltaNet layers get their arrays back)."""
+    return all(isinstance(c, (SpeculativeGDNCache, KVCache, _MlxQuantizedKVCache, RollbackBatchKVCache)) for c in cache)
+
+
+def before_step(cache: List[Any]) -> List[Optional[List[mx.array]]]:
+    """What `undo_step` needs: each GatedDeltaNet layer's arrays (a step assigns new ones;
+    MLX arrays are immutable, so keeping the references is free)."""
+    return [list(c.cache) if isinstance(c, SpeculativeGDNCache) else None for c in cache]
+
+
+def undo_step(cache: List[Any], saved: List[Optional[List[mx.array]]], rows: int) -> None:
+    """Take back one decode step of `rows` rows taken after `before_step` gave `saved`."""
+    for c, arrays in zip(cache, saved):
+        if arrays is not None:
+            c.cache = list(arrays)
+        else:
+            trim_per_row(c, [1] * rows)

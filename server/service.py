@@ -48,6 +48,7 @@ class ServerConfig:
     mtp_depth: int = 0  # most drafts per round (the policy picks up to it per row); 0 = MTP off
     fixed_depth: bool = False  # draft exactly mtp_depth every round instead
     copy_max: int = MAX_COPY  # --copy-drafts: most tokens a row copies from its context per round; 0: none
+    pipeline: bool = True  # plain rounds start the next step's pass before their tokens reach the host (--no-pipelined-decode)
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
     chat_template: Optional[str] = None  # a file or template text overriding the checkpoint's
@@ -109,7 +110,7 @@ class Service:
         self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                      prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
                                      policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth),
-                                     copy_max=config.copy_max)
+                                     copy_max=config.copy_max, pipeline=config.pipeline)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                                special_tokens_in_content=config.special_tokens_in_content,

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with MTP on, also draft up to N tokens a round copied from the request's own prompt and output "
                         "where its latest tokens occurred before (exact like every draft; 0: off; a request's "
                         "\"speculative\": {\"copy\": false} turns it off for that request)")
+    p.add_argument("--no-pipelined-decode", action="store_true",
+                   help="decode plain rounds one after the other (by default a plain round builds and starts the "
+                        "next step's pass before its own tokens reach the host; the output is the same)")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
                    "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--draft-head-bits", type=int, choices=(0, 4, 8), help="draft from the head quantized to 4 or 8 bits "
@@ -251,6 +254,7 @@ def main(argv=None) -> int:
         mtp_depth=depth,
         fixed_depth=args.fixed_depth,
         copy_max=args.copy_drafts,
+        pipeline=not args.no_pipelined_decode,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
