@@ -6,7 +6,9 @@ and prefill paths; a batch runs row by row on the rows' own caches (`RowsCache`)
 state plus, with PLE, the n-gram and conv windows, all cut at the accepted length after
 a verify), an indexed KV cache per attention layer (`qwen4_exp.IndexKeys`: full precision or,
 with `--kv-bits`, quantized; trimmed with the indexer's keys).
-Parts not built yet refuse with `qwen4_exp: <part> is not supported yet`.
+Prompts with images: the tower is Qwen3.5's (models/vision/); positions reach the backbone
+as explicit multimodal positions (`positions_of`). Parts not built yet refuse with
+`qwen4_exp: <part> is not supported yet`.
 """
 
 from __future__ import annotations
@@ -76,14 +78,34 @@ class Qwen4ExpMTPModel(MTPModel):
 
     def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
                 embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
-        if embeds is not None or rope is not None:
-            raise ValueError(qwen4_exp.unsupported("image input").args[0])
+        """`MTPModel.forward` on this backbone: `embeds` (image features in place of image
+        tokens; PLE still hashes the token ids) and `rope` (a prompt chunk's explicit
+        positions, or each row's shift after its images) as there."""
         blas_threads_for(tokens.size)
         if cache and isinstance(cache[0], RowsCache):  # a batch: each row on its own caches
-            h = mx.concatenate([self.inner(tokens[i : i + 1], [c.rows[i] for c in cache]) for i in range(tokens.shape[0])])
+            rows = []
+            for i in range(tokens.shape[0]):
+                row_cache = [c.rows[i] for c in cache]
+                e = None if embeds is None else embeds[i : i + 1]
+                rows.append(self.inner(tokens[i : i + 1], row_cache, e, positions_of(rope, row_cache, tokens.shape[1], i)))
+            h = mx.concatenate(rows)
         else:
-            h = self.inner(tokens, cache)
+            h = self.inner(tokens, cache, embeds, positions_of(rope, cache, tokens.shape[1]))
         return h, self.lm_head(h[:, -1:] if last_logits else h)
+
+
+def positions_of(rope: Optional[RopePositions], cache: List[Any], T: int, row: int = 0) -> Optional[mx.array]:
+    """Multimodal positions [1, 3, T] of one row's forward of T tokens (None: its indices):
+    a prompt chunk's own grid, or the row's cache offset plus its shift."""
+    if rope is None:
+        return None
+    if rope.grid is not None:
+        return rope.grid[None]
+    delta = rope.delta if isinstance(rope.delta, int) else int(rope.delta[row].item())
+    if not delta:
+        return None
+    offset = next((c.offset for c in cache if isinstance(c, qwen4_exp.IndexKeys)), 0)
+    return qwen4_exp.text_positions(offset, T, delta)
 
 
 class RowsCache:
