@@ -393,6 +393,12 @@ class IndexKeys:
             return self.index_keys[:, :end], self.index_positions[:, :, :end]
         return self.index_keys[:, :end], None
 
+    def place_positions(self, positions: mx.array) -> None:
+        """Give the tokens this cache holds their multimodal positions [3, offset] (a cache
+        restored from a prompt-cache snapshot keeps none: the prompt's images give them)."""
+        self.index_positions = None
+        self._write_positions(0, positions.shape[1], self.index_keys.shape[0], positions[None])
+
     def _write_positions(self, start: int, end: int, B: int, positions: Optional[mx.array]) -> None:
         cap = self.index_keys.shape[1]
         if self.index_positions is None or self.index_positions.shape[2] < cap:
@@ -692,7 +698,7 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
     n-gram table shards joined, experts stacked for mlx-lm's SwitchGLU, conv weights to MLX's
     layout, zero-centred norms shifted. The vision tower and MTP tensors must be split off before."""
     if any(k.startswith(("model.visual.", "visual.", "vision_tower.")) for k in weights):
-        raise unsupported("the vision tower")
+        raise ValueError(f"{MODEL_TYPE}: the vision tower's tensors go to models/vision's loader, not the backbone")
     if weights and all(k.startswith("language_model.") for k in weights):
         return weights  # this module's own layout (`mtp-convert`'s output): already sanitized, maybe quantized
     if any(k.endswith((".scales", ".weight_scale_inv", ".weight_scale", ".qweight")) for k in weights):
