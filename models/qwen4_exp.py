@@ -607,10 +607,21 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             y = self.linear_attn(x, mask=None, cache=cache)
         else:
-            y = self.self_attn(x, cache, positions)
+            y = self.attend(x, cache, positions)
         streams = inject(streams, y, w)
         x, w = self.mlp_hyper_connection(streams)
         return inject(streams, self.mlp(x), w)
+
+
+    def attend(self, x: mx.array, cache: Any, positions: Any) -> mx.array:
+        """The attention; over a batch's rows (a cache with `rows`: each row's own indexed cache,
+        `positions` a list per row) row by row: the rows differ in length, and the indexer
+        groups each row's own keys into blocks."""
+        rows = getattr(cache, "rows", None)
+        if rows is None:
+            return self.self_attn(x, cache, positions)
+        return mx.concatenate([self.self_attn(x[i : i + 1], c, None if positions is None else positions[i])
+                               for i, c in enumerate(rows)])
 
 
 class Inner(nn.Module):
@@ -624,7 +635,8 @@ class Inner(nn.Module):
     def __call__(self, tokens: mx.array, cache: Optional[list] = None, embeds: Optional[mx.array] = None,
                  positions: Optional[mx.array] = None) -> mx.array:
         """`embeds` replace the tokens' embeddings (image features at image tokens; PLE still
-        hashes the token ids); `positions`: multimodal positions [B|1, 3, T]."""
+        hashes the token ids); `positions`: multimodal positions [B|1, 3, T] (over a batch whose
+        attention caches are per row: a list of each row's, or None)."""
         h = self.embed_tokens(tokens) if embeds is None else embeds
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, layer in enumerate(self.layers):

@@ -2,7 +2,9 @@
 
 The backbone's layers need the token ids (PLE) and carry several residual streams, so
 `forward` runs the model's own layer loop instead of mlx-lm's layers through the compiled
-and prefill paths; a batch runs row by row on the rows' own caches (`RowsCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
+and prefill paths. A batch runs that loop once for all rows, with the GatedDeltaNet states
+and PLE windows stacked (`BatchGDNCache`) and each row's attention on its own indexed cache
+(`RowsKVCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
 state plus, with PLE, the n-gram and conv windows, all cut at the accepted length after
 a verify), an indexed KV cache per attention layer (`qwen4_exp.IndexKeys`: full precision or,
 with `--kv-bits`, quantized; trimmed with the indexer's keys).
@@ -82,13 +84,10 @@ class Qwen4ExpMTPModel(MTPModel):
         tokens; PLE still hashes the token ids) and `rope` (a prompt chunk's explicit
         positions, or each row's shift after its images) as there."""
         blas_threads_for(tokens.size)
-        if cache and isinstance(cache[0], RowsCache):  # a batch: each row on its own caches
-            rows = []
-            for i in range(tokens.shape[0]):
-                row_cache = [c.rows[i] for c in cache]
-                e = None if embeds is None else embeds[i : i + 1]
-                rows.append(self.inner(tokens[i : i + 1], row_cache, e, positions_of(rope, row_cache, tokens.shape[1], i)))
-            h = mx.concatenate(rows)
+        if any(isinstance(c, RowsKVCache) for c in cache):  # a batch: one backbone pass, attention row by row
+            attn = next(c for c in cache if isinstance(c, RowsKVCache))
+            positions = [positions_of(rope, [c], tokens.shape[1], i) for i, c in enumerate(attn.rows)]
+            h = self.inner(tokens, cache, embeds, None if all(p is None for p in positions) else positions)
         else:
             h = self.inner(tokens, cache, embeds, positions_of(rope, cache, tokens.shape[1]))
         return h, self.lm_head(h[:, -1:] if last_logits else h)
@@ -109,10 +108,10 @@ def positions_of(rope: Optional[RopePositions], cache: List[Any], T: int, row: i
 
 
 class RowsCache:
-    """One layer's caches for a batch of qwen4_exp rows, kept as the rows' own single-row
-    caches: the backbone runs each row on its own (`Qwen4ExpMTPModel.forward`), so a row's
-    numbers are those of its single-sequence decoding, and the indexer's block grouping and the
-    PLE windows need no padding or holes. The engine's batch operations act row by row."""
+    """One attention layer's caches for a batch of qwen4_exp rows, kept as the rows' own
+    single-row caches: rows differ in length, and the indexer groups each row's own keys into
+    blocks, so each row attends on its own cache (`DecoderLayer` runs the attention row by row;
+    the rest of the backbone runs batched). The engine's batch operations act row by row."""
 
     def __init__(self, rows: List[Any]):
         self.rows = list(rows)
@@ -133,32 +132,37 @@ class RowsCache:
         return [c.state for c in self.rows]
 
 
-class RowsGDNCache(RowsCache, SpeculativeGDNCache):
-    """GatedDeltaNet (and PLE) caches of the rows; a commit keeps each row's own length."""
+class BatchGDNCache(Qwen4ExpGDNCache):
+    """The rows' GatedDeltaNet states and PLE windows stacked along the batch axis (every row's
+    windows have the same size), so these layers run once for all rows; a commit keeps each
+    row's own accepted length."""
 
-    def __init__(self, rows: List[Any]):
-        RowsCache.__init__(self, rows)
-        self._capturing = False
+    @classmethod
+    def of_rows(cls, rows: List[Qwen4ExpGDNCache]) -> "BatchGDNCache":
+        merged = cls(ple=rows[0].ple is not None)
+        merged.cache = [mx.concatenate([r[i] for r in rows]) for i in range(2)]
+        if merged.ple is not None:
+            merged.ple.ngram = mx.concatenate([r.ple.ngram for r in rows])
+            merged.ple.conv = mx.concatenate([r.ple.conv for r in rows])
+        return merged
 
-    @property
-    def capturing(self) -> bool:
-        return self._capturing
+    def filter(self, batch_indices) -> None:
+        super().filter(batch_indices)
+        if self.ple is not None:
+            self.ple.ngram, self.ple.conv = self.ple.ngram[batch_indices], self.ple.conv[batch_indices]
 
-    @capturing.setter
-    def capturing(self, on: bool) -> None:
-        self._capturing = on
-        for c in getattr(self, "rows", []):
-            c.capturing = on
+    def extend(self, other: "BatchGDNCache") -> None:
+        super().extend(other)
+        if self.ple is not None:
+            self.ple.ngram = mx.concatenate([self.ple.ngram, other.ple.ngram])
+            self.ple.conv = mx.concatenate([self.ple.conv, other.ple.conv])
 
-    def select(self, accepted_tokens) -> None:
-        n = accepted_tokens if isinstance(accepted_tokens, int) else None
-        per_row = [n] * len(self.rows) if n is not None else accepted_tokens.tolist()
-        for c, k in zip(self.rows, per_row):
-            c.select(int(k))
-
-    @property
-    def state(self) -> list:
-        return [c.state for c in self.rows]
+    def extract(self, idx: int) -> Qwen4ExpGDNCache:
+        row = Qwen4ExpGDNCache(ple=self.ple is not None)
+        row.cache = [c[idx : idx + 1] for c in self.cache]
+        if self.ple is not None:
+            row.ple.ngram, row.ple.conv = self.ple.ngram[idx : idx + 1], self.ple.conv[idx : idx + 1]
+        return row
 
 
 class RowsKVCache(RowsCache):
@@ -171,9 +175,9 @@ class RowsKVCache(RowsCache):
 
 
 def merge_rows(layers: List[List[Any]]) -> List[RowsCache]:
-    """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as one
-    RowsCache."""
-    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexKeys) else RowsGDNCache(rs) for rs in layers]
+    """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as the
+    batch's: attention layers' side by side (RowsKVCache), GatedDeltaNet layers' stacked."""
+    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexKeys) else BatchGDNCache.of_rows(rs) for rs in layers]
 
 
 def holds_rows(caches: List[Any]) -> bool:

@@ -329,3 +329,46 @@ def test_the_vision_tower_loads_with_the_backbone(lm):
 
     assert isinstance(lm.model.vision, Vision) and lm.mtp_status == "MTP on"
     assert lm.model.vision.spec.image_token_id == json.loads((CKPT / "config.json").read_text())["image_token_id"]
+
+
+def test_a_batch_runs_the_backbone_once_and_equals_its_rows_alone(lm):
+    """Three rows of different lengths merged as the engine's batch does: one pass through each
+    GatedDeltaNet layer for all rows (their states and PLE windows stacked), attention on each
+    row's own indexed cache; a captured verify window committed at a different length per row.
+    Logits and the states after the commit equal each row run alone."""
+    from mtp_serve.models.qwen4_exp_mtp import BatchGDNCache, RowsKVCache, merge_rows
+
+    model = lm.model
+    prompts = [[5, 17, 257, 3, 42, 7, 9], list(range(20, 41)), [250, 11, 12]]
+    rows = [model.make_cache() for _ in prompts]
+    for p, c in zip(prompts, rows):
+        model.forward(mx.array([p]), c)
+    alone = [model.make_cache() for _ in prompts]
+    for p, c in zip(prompts, alone):
+        model.forward(mx.array([p]), c)
+    batch = merge_rows([list(layer) for layer in zip(*rows)])
+    assert all(isinstance(c, RowsKVCache if not l.is_linear else BatchGDNCache) for c, l in zip(batch, model.layers))
+    calls = []
+    gdn = next(l.linear_attn for l in model.layers if l.is_linear)
+    original = type(gdn).__call__
+    type(gdn).__call__ = lambda self, *a, **k: calls.append(a[0].shape[0]) or original(self, *a, **k)
+    window = mx.array([[12, 13, 14, 15], [60, 61, 62, 63], [7, 7, 8, 9]])
+    kept = [1, 4, 2]
+    try:
+        set_capture(batch, True)
+        _, logits = model.forward(window, batch)
+        set_capture(batch, False)
+    finally:
+        type(gdn).__call__ = original
+    assert calls and all(b == 3 for b in calls)  # every GatedDeltaNet layer once, over the 3 rows
+    keep_verified(batch, kept, window.shape[1])
+    for i, c in enumerate(alone):
+        single = model.forward(window[i : i + 1], c)[1]
+        assert mx.allclose(logits[i : i + 1], single, atol=1e-5), i
+    # after the commit: the next token's logits of each row, batched and alone
+    nxt = mx.array([[99], [98], [97]])
+    _, after = model.forward(nxt, batch)
+    for i, p in enumerate(prompts):
+        ref = model.make_cache()
+        model.forward(mx.array([p + window[i, : kept[i]].tolist()]), ref)
+        assert mx.allclose(after[i : i + 1], model.forward(nxt[i : i + 1], ref)[1], atol=1e-5), i
