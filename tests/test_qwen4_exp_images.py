@@ -131,3 +131,22 @@ def test_next_turn_restores_the_image_prefix_with_its_positions(vlm, pictures):
     assert stats.cached_tokens >= len(turn1) and warm == cold
     pad = turn1.index(vlm.model.vision.spec.image_token_id)
     assert restored and not mx.array_equal(restored[0][1, pad:pad + a.n_tokens], mx.arange(pad, pad + a.n_tokens))
+
+
+def test_mtp_convert_keeps_the_tower_and_a_quantized_body_reads_images_alike(checkpoint_dir, pictures, tmp_path):
+    """`mtp-convert -q` on a checkpoint with its tower: the tower stays unquantized beside the
+    8-bit body, loads, and greedy MTP with an image gives plain decoding's tokens."""
+    from mtp_serve.cli import convert
+    from mtp_serve.models.loader import load_model
+
+    out = tmp_path / "conv"
+    src = checkpoint_dir("qwen4_exp", agreeable=True, vision=True)
+    assert convert.main(["--hf-path", str(src), "--mlx-path", str(out), "-q", "--q-bits", "8",
+                         "--q-group-size", "32", "--no-verify"]) == 0
+    assert (out / "vision.safetensors").exists()
+    lm = load_model(str(out))
+    assert lm.model.vision is not None and lm.mtp_status == "MTP on"
+    a = pictures["a"]
+    prompt = image_prompt(lm, [a])
+    plain, _ = run(lm, prompt, (a,), 0)
+    assert run(lm, prompt, (a,), 2)[0] == plain
