@@ -181,6 +181,10 @@ class Sequence:
         if self.tracks_head:
             self.owed.hidden = owed_hidden
         self.cached_tokens = self.stats.cached_tokens = n
+        if self.images is not None:  # caches that keep per-token positions (qwen4_exp's indexer) get them back
+            for c in self.caches.backbone:
+                if hasattr(c, "place_positions"):
+                    c.place_positions(self.images.positions[:, :n])
 
     def apply(self, emitted: Emitted) -> GenerationChunk:
         """What a step's tokens do to the request: committed, stop-checked (kept

@@ -57,7 +57,7 @@ from .mtp_weights import (
 )
 from .safetensors_files import INDEX_FILE, read_index
 from .sharding import Split
-from .vision import load_vision
+from .vision import is_vision_key, load_vision
 
 log = logging.getLogger("mtp_serve.loader")
 
@@ -226,10 +226,7 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
 
     if config["model_type"] == "qwen4_exp":
         _map_ngram_tables(text, path, backbone_w)
-        vision_w = {k: v for k, v in backbone_w.items() if k.startswith(("model.visual.", "visual.", "vision_tower."))}
-        if vision_w:
-            log.warning("%s: %s; serving text only", path, qwen4_exp.unsupported("the vision tower"))
-            backbone_w = {k: v for k, v in backbone_w.items() if k not in vision_w}
+        backbone_w = {k: v for k, v in backbone_w.items() if not is_vision_key(k)}  # the tower loads below
         try:
             backbone_w = model.sanitize(backbone_w)
         except qwen4_exp.Unsupported as e:
@@ -295,7 +292,7 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
             raise CheckpointError(f"{path}: {qwen4_exp.unsupported('distributed serving')}")
         log.info("%s: PLE n-gram tables %.1f MiB%s", path, mtp_model.ngram_table_bytes() / 2**20,
                  " (memory-mapped)" if qwen4_exp.tables_mapped(model.language_model.model) else "")
-    elif split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
+    if split is None and "vision_config" in config:  # a vision-language checkpoint: its tower too
         mtp_model.vision = load_vision(config, weights, path, target)
     del weights
     if head is not None:

@@ -20,8 +20,11 @@ for the math; the goldens in tests/data check this file against it):
   (`IndexedKVCache`), so a trim rolls them back with the keys and values.
 
 The GatedDeltaNet and the MoE block are mlx-lm's Qwen3.5 / Qwen3-Next ones (the same
-math, and the GatedDeltaNet takes the project's capturing forward); text positions only
-(M-RoPE with equal axes is plain RoPE).
+math, and the GatedDeltaNet takes the project's capturing forward). Positions are Qwen3.5's
+multimodal RoPE (interleaved sections): a forward takes explicit three-axis positions for a
+prompt with images, in the attention and in the indexer (whose cache then keeps each token's
+position, so a block rotates at its first token's); text-only forwards rotate at the cache
+offset (M-RoPE with equal axes is plain RoPE).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Qwen4ExpArgs:
     norm_topk_prob: bool = True
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 1.0
+    mrope_section: List[int] = field(default_factory=lambda: [11, 11, 10])
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     full_attention_interval: int = 4  # the MTP head's layer index (mlx-lm's Qwen3.5 layer)
@@ -100,6 +104,15 @@ class Qwen4ExpArgs:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mrope_axes(self) -> List[int]:
+        """Which position row (0 time, 1 height, 2 width) each rotary frequency reads: the
+        sections interleaved (frequency j reads height when j % 3 == 1 and j < 3 * section[1],
+        width when j % 3 == 2 and j < 3 * section[2], else time)."""
+        sec = list(self.mrope_section) + [0] * (3 - len(self.mrope_section))
+        return [1 if j % 3 == 1 and j < 3 * sec[1] else 2 if j % 3 == 2 and j < 3 * sec[2] else 0
+                for j in range(self.rotary_dim // 2)]
 
     @classmethod
     def from_config(cls, config: dict) -> "Qwen4ExpArgs":
@@ -120,6 +133,7 @@ class Qwen4ExpArgs:
         kw.update(layer_types=types, eos_token_id=eos[0] if isinstance(eos, list) else eos,
                   rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
                   partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)),
+                  mrope_section=list(rope.get("mrope_section") or [11, 11, 10]),
                   ple_layer_ids=sorted(set(text.get("ple_layer_ids") or [])),
                   full_attention_interval=next((i + 1 for i, t in enumerate(types) if t != "linear_attention"), interval))
         args = cls(**kw)
@@ -153,17 +167,30 @@ class GroupedRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.groups)
 
 
-def rope_at(x: mx.array, positions: mx.array, dims: int, base: float) -> mx.array:
-    """Rotate-half RoPE on the first `dims` features of x [..., T, D] at `positions` [T]
-    (any positions, not only a run from an offset: the indexer's blocks sit at their starts)."""
+def rope_at(x: mx.array, positions: mx.array, dims: int, base: float, axes: Optional[List[int]] = None) -> mx.array:
+    """Rotate-half RoPE on the first `dims` features of x at `positions`: [T] for x [..., T, D]
+    (any positions, not only a run from an offset: the indexer's blocks sit at their starts),
+    or multimodal [B|1, 3, T] for x [B, heads, T, D] or [B, T, D], each frequency reading the
+    row `axes` gives it (M-RoPE; three equal rows are plain RoPE)."""
     inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
-    freqs = positions.astype(mx.float32)[:, None] * inv_freq[None]
+    if positions.ndim == 1:
+        freqs = positions.astype(mx.float32)[:, None] * inv_freq[None]
+    else:
+        rows = mx.take(positions.astype(mx.float32), mx.array(axes), axis=1)  # [B|1, dims/2, T]
+        freqs = rows.swapaxes(1, 2) * inv_freq  # [B|1, T, dims/2]
+        if x.ndim == 4:
+            freqs = freqs[:, None]
     cos = mx.concatenate([mx.cos(freqs)] * 2, axis=-1).astype(x.dtype)
     sin = mx.concatenate([mx.sin(freqs)] * 2, axis=-1).astype(x.dtype)
     r, rest = x[..., :dims], x[..., dims:]
     half = dims // 2
     rotated = mx.concatenate([-r[..., half:], r[..., :half]], axis=-1)
     return mx.concatenate([r * cos + rotated * sin, rest], axis=-1)
+
+
+def text_positions(start: int, T: int, delta: int = 0) -> mx.array:
+    """Multimodal positions [1, 3, T] of text tokens start.. (index + delta on every axis)."""
+    return mx.broadcast_to(mx.arange(start + delta, start + delta + T, dtype=mx.int32)[None, None], (1, 3, T))
 
 
 # ---------------------------------------------------------------- hyper-connections
@@ -343,11 +370,16 @@ class PLE(nn.Module):
 class IndexKeys:
     """The QSA indexer's raw key per token, kept beside an attention cache's keys and values at
     the same offsets (full precision whatever the KV setting: one small head per token), so
-    `trim` rolls it back with them."""
+    `trim` rolls it back with them. A row whose prompt held an image also keeps each token's
+    multimodal position (`index_positions`: the indexer rotates a block at its first token's);
+    text-only rows keep none (a token's position is its index)."""
 
     index_keys: Optional[mx.array] = None  # [B, capacity, D]
+    index_positions: Optional[mx.array] = None  # [B, 3, capacity] int32, or None: positions are indices
 
-    def update_index(self, start: int, keys: mx.array) -> mx.array:
+    def update_index(self, start: int, keys: mx.array, positions: Optional[mx.array] = None):
+        """Write keys [B, T, D] (and their positions [B|1, 3, T]) at `start`; returns the keys
+        [B, start+T, D] and their positions [B, 3, start+T] (None while every one is its index)."""
         B, T, D = keys.shape
         end = start + T
         if self.index_keys is None or self.index_keys.shape[1] < end:
@@ -356,7 +388,28 @@ class IndexKeys:
                 grown[:, :start] = self.index_keys[:, :start]
             self.index_keys = grown
         self.index_keys[:, start:end] = keys
-        return self.index_keys[:, :end]
+        if positions is not None or self.index_positions is not None:
+            self._write_positions(start, end, B, positions)
+            return self.index_keys[:, :end], self.index_positions[:, :, :end]
+        return self.index_keys[:, :end], None
+
+    def place_positions(self, positions: mx.array) -> None:
+        """Give the tokens this cache holds their multimodal positions [3, offset] (a cache
+        restored from a prompt-cache snapshot keeps none: the prompt's images give them)."""
+        self.index_positions = None
+        self._write_positions(0, positions.shape[1], self.index_keys.shape[0], positions[None])
+
+    def _write_positions(self, start: int, end: int, B: int, positions: Optional[mx.array]) -> None:
+        cap = self.index_keys.shape[1]
+        if self.index_positions is None or self.index_positions.shape[2] < cap:
+            old = self.index_positions
+            grown = mx.broadcast_to(mx.arange(cap, dtype=mx.int32)[None, None], (B, 3, cap))  # text: index
+            if old is not None and start:
+                grown = mx.concatenate([old[:, :, :start], grown[:, :, start:]], axis=2)
+            self.index_positions = mx.contiguous(grown)
+        if positions is None:  # a forward at plain positions (a row whose images shift nothing)
+            positions = text_positions(start, end - start)
+        self.index_positions[:, :, start:end] = positions.astype(mx.int32)
 
     @property
     def state(self):
@@ -389,32 +442,42 @@ class Indexer(nn.Module):
         self.n_heads, self.dim = args.indexer_n_heads, args.indexer_head_dim
         self.ratio = args.indexer_compress_ratio
         self.top_blocks = args.indexer_budget // args.indexer_compress_ratio
-        self.rope_dims, self.base = args.rotary_dim, args.rope_theta
+        self.rope_dims, self.base, self.axes = args.rotary_dim, args.rope_theta, args.mrope_axes
         self.index_qk_proj = nn.Linear(args.hidden_size, (self.n_heads + 1) * self.dim, bias=False)
         self.q_layernorm = GroupedRMSNorm(self.dim, args.rms_norm_eps)
         self.k_layernorm = GroupedRMSNorm(self.dim, args.rms_norm_eps)
 
-    def selection(self, x: mx.array, offset: int, cache: Optional[IndexKeys]) -> mx.array:
-        """Which keys each query may attend to: [B, 1, T, offset+T] bool (causal included)."""
+    def selection(self, x: mx.array, offset: int, cache: Optional[IndexKeys],
+                  positions: Optional[mx.array] = None) -> mx.array:
+        """Which keys each query may attend to: [B, 1, T, offset+T] bool (causal included).
+        `positions`: the queries' multimodal positions [B|1, 3, T] (None: their indices)."""
         B, T, _ = x.shape
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., : self.n_heads * self.dim].reshape(B, T, self.n_heads, self.dim))
-        pos = mx.arange(offset, offset + T)
-        q = rope_at(q.transpose(0, 2, 1, 3), pos, self.rope_dims, self.base)  # [B, h, T, D]
+        idx = mx.arange(offset, offset + T)
+        q = q.transpose(0, 2, 1, 3)  # [B, h, T, D]
+        q = rope_at(q, idx if positions is None else positions, self.rope_dims, self.base, self.axes)
         raw = qk[..., self.n_heads * self.dim :]
-        keys = cache.update_index(offset, raw) if cache is not None else raw  # [B, S, D]
+        if cache is not None:
+            keys, kpositions = cache.update_index(offset, raw, positions)
+        else:
+            keys, kpositions = raw, positions
         S = keys.shape[1]
         nb = S // self.ratio
         kpos = mx.arange(S)
-        causal = kpos[None] <= pos[:, None]  # [T, S]
+        causal = kpos[None] <= idx[:, None]  # [T, S]
         if nb == 0:
             return mx.broadcast_to(causal[None, None], (B, 1, T, S))
         blocks = keys[:, : nb * self.ratio].reshape(B, nb, self.ratio, self.dim).astype(mx.float32).mean(axis=2)
         blocks = self.k_layernorm(blocks.astype(keys.dtype))
-        blocks = rope_at(blocks, mx.arange(nb) * self.ratio, self.rope_dims, self.base)
+        if kpositions is None:
+            starts = mx.arange(nb) * self.ratio
+        else:  # each block at its first token's multimodal position
+            starts = kpositions[:, :, : nb * self.ratio : self.ratio]
+        blocks = rope_at(blocks, starts, self.rope_dims, self.base, self.axes)
         scores = mx.maximum(q.astype(mx.float32) @ blocks.astype(mx.float32).swapaxes(-1, -2)[:, None], 0)
         scores = scores.sum(axis=1) / math.sqrt(self.dim)  # [B, T, nb]
-        complete = (pos + 1) // self.ratio  # complete blocks each query sees
+        complete = (idx + 1) // self.ratio  # complete blocks each query sees
         valid = mx.arange(nb)[None] < complete[:, None]  # [T, nb]
         chosen = top_blocks(mx.where(valid[None], scores, -mx.inf), self.top_blocks) & valid[None]  # [B, T, nb]
         in_block = kpos < nb * self.ratio
@@ -445,7 +508,7 @@ class Attention(nn.Module):
         H, nh, nkv, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
         self.scale = hd ** -0.5
-        self.rope_dims, self.base = args.rotary_dim, args.rope_theta
+        self.rope_dims, self.base, self.axes = args.rotary_dim, args.rope_theta, args.mrope_axes
         bias = args.attention_bias
         self.q_proj = nn.Linear(H, nh * hd * 2, bias=bias)
         self.k_proj = nn.Linear(H, nkv * hd, bias=bias)
@@ -456,17 +519,21 @@ class Attention(nn.Module):
         if args.qsa:
             self.indexer = Indexer(args)
 
-    def __call__(self, x: mx.array, cache: Optional[KVCache]) -> mx.array:
+    def __call__(self, x: mx.array, cache: Optional[KVCache], positions: Optional[mx.array] = None) -> mx.array:
+        """`positions`: multimodal positions [B|1, 3, T] (None: text at the cache offset)."""
         B, T, _ = x.shape
         offset = cache.offset if cache is not None else 0
         q, gate = mx.split(self.q_proj(x).reshape(B, T, self.nh, 2 * self.hd), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.nkv, self.hd)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.nkv, self.hd).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.base, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.base, scale=1.0, offset=offset)
+        if positions is None:
+            q = mx.fast.rope(q, self.rope_dims, traditional=False, base=self.base, scale=1.0, offset=offset)
+            k = mx.fast.rope(k, self.rope_dims, traditional=False, base=self.base, scale=1.0, offset=offset)
+        else:
+            q, k = (rope_at(t, positions, self.rope_dims, self.base, self.axes) for t in (q, k))
         if "indexer" in self:
-            mask = self.indexer.selection(x, offset, cache)
+            mask = self.indexer.selection(x, offset, cache, positions)
         else:
             mask = mx.arange(offset + T)[None] <= mx.arange(offset, offset + T)[:, None]
         if cache is not None:
@@ -531,7 +598,8 @@ class DecoderLayer(nn.Module):
     def has_ple(self) -> bool:
         return "ple" in self
 
-    def __call__(self, streams: mx.array, tokens: mx.array, cache: Any = None) -> mx.array:
+    def __call__(self, streams: mx.array, tokens: mx.array, cache: Any = None,
+                 positions: Optional[mx.array] = None) -> mx.array:
         if self.has_ple:
             streams = streams + self.ple(streams, tokens, None if cache is None else cache.ple,
                                          getattr(cache, "capturing", False))
@@ -539,10 +607,21 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             y = self.linear_attn(x, mask=None, cache=cache)
         else:
-            y = self.self_attn(x, cache)
+            y = self.attend(x, cache, positions)
         streams = inject(streams, y, w)
         x, w = self.mlp_hyper_connection(streams)
         return inject(streams, self.mlp(x), w)
+
+
+    def attend(self, x: mx.array, cache: Any, positions: Any) -> mx.array:
+        """The attention; over a batch's rows (a cache with `rows`: each row's own indexed cache,
+        `positions` a list per row) row by row: the rows differ in length, and the indexer
+        groups each row's own keys into blocks."""
+        rows = getattr(cache, "rows", None)
+        if rows is None:
+            return self.self_attn(x, cache, positions)
+        return mx.concatenate([self.self_attn(x[i : i + 1], c, None if positions is None else positions[i])
+                               for i, c in enumerate(rows)])
 
 
 class Inner(nn.Module):
@@ -553,11 +632,15 @@ class Inner(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = GatedResidual(args, combine=False)
 
-    def __call__(self, tokens: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.embed_tokens(tokens)
+    def __call__(self, tokens: mx.array, cache: Optional[list] = None, embeds: Optional[mx.array] = None,
+                 positions: Optional[mx.array] = None) -> mx.array:
+        """`embeds` replace the tokens' embeddings (image features at image tokens; PLE still
+        hashes the token ids); `positions`: multimodal positions [B|1, 3, T] (over a batch whose
+        attention caches are per row: a list of each row's, or None)."""
+        h = self.embed_tokens(tokens) if embeds is None else embeds
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, tokens, None if cache is None else cache[i])
+            streams = layer(streams, tokens, None if cache is None else cache[i], positions)
         return self.hyper_connection_mixer(streams)
 
 
@@ -627,7 +710,7 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
     n-gram table shards joined, experts stacked for mlx-lm's SwitchGLU, conv weights to MLX's
     layout, zero-centred norms shifted. The vision tower and MTP tensors must be split off before."""
     if any(k.startswith(("model.visual.", "visual.", "vision_tower.")) for k in weights):
-        raise unsupported("the vision tower")
+        raise ValueError(f"{MODEL_TYPE}: the vision tower's tensors go to models/vision's loader, not the backbone")
     if weights and all(k.startswith("language_model.") for k in weights):
         return weights  # this module's own layout (`mtp-convert`'s output): already sanitized, maybe quantized
     if any(k.endswith((".scales", ".weight_scale_inv", ".weight_scale", ".qweight")) for k in weights):

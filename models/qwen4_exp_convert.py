@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from . import qwen4_exp
 from .mtp_weights import split_mtp_weights
+from .vision import is_vision_key
 
 SHARD_BYTES = 5 << 30
 _COPIED = ("*.json", "*.jinja", "*.txt", "tokenizer.model", "*.tiktoken")
@@ -34,7 +35,7 @@ def convert(source: Path, out: Path, *, quantize: bool = False, q_group_size: Op
     config = json.loads((source / "config.json").read_text())
     model = qwen4_exp.build(config)
     body, _ = split_mtp_weights(load_weights(source))
-    body = {k: v for k, v in body.items() if not k.startswith(("model.visual.", "visual."))}
+    body = {k: v for k, v in body.items() if not is_vision_key(k)}  # the tower: carry_vision's, unquantized
     model.load_weights(list(model.sanitize(body).items()), strict=True)
     text = config.get("text_config", config)
     target = getattr(mx, dtype or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")

@@ -2,11 +2,15 @@
 
 The backbone's layers need the token ids (PLE) and carry several residual streams, so
 `forward` runs the model's own layer loop instead of mlx-lm's layers through the compiled
-and prefill paths; a batch runs row by row on the rows' own caches (`RowsCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
+and prefill paths. A batch runs that loop once for all rows, with the GatedDeltaNet states
+and PLE windows stacked (`BatchGDNCache`) and each row's attention on its own indexed cache
+(`RowsKVCache`). Caches: a `Qwen4ExpGDNCache` per GatedDeltaNet layer (the GatedDeltaNet
 state plus, with PLE, the n-gram and conv windows, all cut at the accepted length after
 a verify), an indexed KV cache per attention layer (`qwen4_exp.IndexKeys`: full precision or,
 with `--kv-bits`, quantized; trimmed with the indexer's keys).
-Parts not built yet refuse with `qwen4_exp: <part> is not supported yet`.
+Prompts with images: the tower is Qwen3.5's (models/vision/); positions reach the backbone
+as explicit multimodal positions (`positions_of`). Parts not built yet refuse with
+`qwen4_exp: <part> is not supported yet`.
 """
 
 from __future__ import annotations
@@ -76,21 +80,38 @@ class Qwen4ExpMTPModel(MTPModel):
 
     def forward(self, tokens: mx.array, cache: List[Any], last_logits: bool = False, *,
                 embeds: Optional[mx.array] = None, rope: Optional[RopePositions] = None) -> Tuple[mx.array, mx.array]:
-        if embeds is not None or rope is not None:
-            raise ValueError(qwen4_exp.unsupported("image input").args[0])
+        """`MTPModel.forward` on this backbone: `embeds` (image features in place of image
+        tokens; PLE still hashes the token ids) and `rope` (a prompt chunk's explicit
+        positions, or each row's shift after its images) as there."""
         blas_threads_for(tokens.size)
-        if cache and isinstance(cache[0], RowsCache):  # a batch: each row on its own caches
-            h = mx.concatenate([self.inner(tokens[i : i + 1], [c.rows[i] for c in cache]) for i in range(tokens.shape[0])])
+        if any(isinstance(c, RowsKVCache) for c in cache):  # a batch: one backbone pass, attention row by row
+            attn = next(c for c in cache if isinstance(c, RowsKVCache))
+            positions = [positions_of(rope, [c], tokens.shape[1], i) for i, c in enumerate(attn.rows)]
+            h = self.inner(tokens, cache, embeds, None if all(p is None for p in positions) else positions)
         else:
-            h = self.inner(tokens, cache)
+            h = self.inner(tokens, cache, embeds, positions_of(rope, cache, tokens.shape[1]))
         return h, self.lm_head(h[:, -1:] if last_logits else h)
 
 
+def positions_of(rope: Optional[RopePositions], cache: List[Any], T: int, row: int = 0) -> Optional[mx.array]:
+    """Multimodal positions [1, 3, T] of one row's forward of T tokens (None: its indices):
+    a prompt chunk's own grid, or the row's cache offset plus its shift."""
+    if rope is None:
+        return None
+    if rope.grid is not None:
+        return rope.grid[None]
+    delta = rope.delta if isinstance(rope.delta, int) else int(rope.delta[row].item())
+    if not delta:
+        return None
+    offset = next((c.offset for c in cache if isinstance(c, qwen4_exp.IndexKeys)), 0)
+    return qwen4_exp.text_positions(offset, T, delta)
+
+
 class RowsCache:
-    """One layer's caches for a batch of qwen4_exp rows, kept as the rows' own single-row
-    caches: the backbone runs each row on its own (`Qwen4ExpMTPModel.forward`), so a row's
-    numbers are those of its single-sequence decoding, and the indexer's block grouping and the
-    PLE windows need no padding or holes. The engine's batch operations act row by row."""
+    """One attention layer's caches for a batch of qwen4_exp rows, kept as the rows' own
+    single-row caches: rows differ in length, and the indexer groups each row's own keys into
+    blocks, so each row attends on its own cache (`DecoderLayer` runs the attention row by row;
+    the rest of the backbone runs batched). The engine's batch operations act row by row."""
 
     def __init__(self, rows: List[Any]):
         self.rows = list(rows)
@@ -111,32 +132,37 @@ class RowsCache:
         return [c.state for c in self.rows]
 
 
-class RowsGDNCache(RowsCache, SpeculativeGDNCache):
-    """GatedDeltaNet (and PLE) caches of the rows; a commit keeps each row's own length."""
+class BatchGDNCache(Qwen4ExpGDNCache):
+    """The rows' GatedDeltaNet states and PLE windows stacked along the batch axis (every row's
+    windows have the same size), so these layers run once for all rows; a commit keeps each
+    row's own accepted length."""
 
-    def __init__(self, rows: List[Any]):
-        RowsCache.__init__(self, rows)
-        self._capturing = False
+    @classmethod
+    def of_rows(cls, rows: List[Qwen4ExpGDNCache]) -> "BatchGDNCache":
+        merged = cls(ple=rows[0].ple is not None)
+        merged.cache = [mx.concatenate([r[i] for r in rows]) for i in range(2)]
+        if merged.ple is not None:
+            merged.ple.ngram = mx.concatenate([r.ple.ngram for r in rows])
+            merged.ple.conv = mx.concatenate([r.ple.conv for r in rows])
+        return merged
 
-    @property
-    def capturing(self) -> bool:
-        return self._capturing
+    def filter(self, batch_indices) -> None:
+        super().filter(batch_indices)
+        if self.ple is not None:
+            self.ple.ngram, self.ple.conv = self.ple.ngram[batch_indices], self.ple.conv[batch_indices]
 
-    @capturing.setter
-    def capturing(self, on: bool) -> None:
-        self._capturing = on
-        for c in getattr(self, "rows", []):
-            c.capturing = on
+    def extend(self, other: "BatchGDNCache") -> None:
+        super().extend(other)
+        if self.ple is not None:
+            self.ple.ngram = mx.concatenate([self.ple.ngram, other.ple.ngram])
+            self.ple.conv = mx.concatenate([self.ple.conv, other.ple.conv])
 
-    def select(self, accepted_tokens) -> None:
-        n = accepted_tokens if isinstance(accepted_tokens, int) else None
-        per_row = [n] * len(self.rows) if n is not None else accepted_tokens.tolist()
-        for c, k in zip(self.rows, per_row):
-            c.select(int(k))
-
-    @property
-    def state(self) -> list:
-        return [c.state for c in self.rows]
+    def extract(self, idx: int) -> Qwen4ExpGDNCache:
+        row = Qwen4ExpGDNCache(ple=self.ple is not None)
+        row.cache = [c[idx : idx + 1] for c in self.cache]
+        if self.ple is not None:
+            row.ple.ngram, row.ple.conv = self.ple.ngram[idx : idx + 1], self.ple.conv[idx : idx + 1]
+        return row
 
 
 class RowsKVCache(RowsCache):
@@ -149,9 +175,9 @@ class RowsKVCache(RowsCache):
 
 
 def merge_rows(layers: List[List[Any]]) -> List[RowsCache]:
-    """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as one
-    RowsCache."""
-    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexKeys) else RowsGDNCache(rs) for rs in layers]
+    """Per backbone layer, the rows' caches (`layers[l][i]`: row i's cache of layer l) as the
+    batch's: attention layers' side by side (RowsKVCache), GatedDeltaNet layers' stacked."""
+    return [RowsKVCache(rs) if isinstance(rs[0], qwen4_exp.IndexKeys) else BatchGDNCache.of_rows(rs) for rs in layers]
 
 
 def holds_rows(caches: List[Any]) -> bool:

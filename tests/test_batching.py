@@ -184,7 +184,8 @@ def test_batched_sampling_matches_plain_distribution(loaded):
 @pytest.mark.parametrize("family", ["qwen3_6_moe", "qwen3_next", "qwen4_exp"])
 def test_batched_moe_families_equal_single_stream(family, loaded):
     """MoE layers (and Qwen3-Next's GatedDeltaNet layout) through the batched, compiled path;
-    qwen4_exp's rows (run each on its own caches) joining, leaving and rolling back apart."""
+    qwen4_exp's batched backbone (stacked GatedDeltaNet and PLE states, attention on each row's
+    own indexed cache) with rows joining, leaving and rolling back apart."""
     lm = loaded(family, agreeable=True)
     reqs = {k: (p, SamplingParams(max_tokens=30, ignore_eos=True))
             for k, p in {"a": [3, 4, 5], "b": list(range(40, 70)), "c": [9] * 12}.items()}

@@ -453,3 +453,37 @@ def test_max_image_tokens_resizes_large_images_down(checkpoint_dir):
     assert big.n_tokens == 12 and 1 <= small.n_tokens <= 4
     assert small.grid_thw[2] >= small.grid_thw[1]  # still wider than tall
     assert capped_spec(spec, 0) is spec and capped_spec(spec, 1000) is spec
+
+
+@e2e
+def test_qwen4_exp_serves_images_through_the_chat_api(checkpoint_dir):
+    """A Qwen3.8-Flash-Next (`qwen4_exp`) checkpoint with its tower: a chat request with an image
+    counts its image tokens, another image changes the reply, and greedy replies with MTP equal
+    those without it, also while requests with and without images run together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.server import LiveServer, ServerConfig
+
+    path = checkpoint_dir("qwen4_exp", vision=True, agreeable=True)
+    server = LiveServer(load_with_vision(path), ServerConfig(served_model_name="test-model", mtp_depth=2,
+                                                             fixed_depth=True, images=LIMITS)).start()
+    try:
+        def ask(urls, depth, text="What is in the picture?"):
+            r = httpx.post(server.root + "/v1/chat/completions", timeout=120,
+                           json=chat_body(urls, text=text, max_tokens=16, mtp_depth=depth, ignore_eos=True))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            return body["choices"][0]["message"]["content"], body["usage"]
+
+        plain, usage = ask([data_url(SMALL)], 0)
+        assert usage["prompt_tokens_details"]["image_tokens"] == 4 and usage["completion_tokens"] == 16
+        assert ask([data_url(SMALL)], 2)[0] == ask([data_url(SMALL)], 3)[0] == plain
+        other = ask([data_url(WIDE)], 0)[0]
+        assert other != plain
+        requests = [([data_url(SMALL)], "What is in the picture?"), ([], "no picture here"), ([data_url(WIDE)], "and this?")]
+        alone = [ask(urls, 0, text)[0] for urls, text in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:  # together: batched rounds
+            together = list(pool.map(lambda r: ask(r[0], 2, r[1])[0], requests))
+        assert together == alone and alone[0] == plain
+    finally:
+        server.stop()

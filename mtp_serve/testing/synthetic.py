@@ -63,6 +63,10 @@ def tiny_vision_config(text_hidden: int, **overrides) -> dict:
     return c
 
 
+# qwen4_exp's tower is Qwen3.5's under its own config type (axial 2-D RoPE, as Qwen3.5's).
+QWEN4_EXP_VISION = {"model_type": "qwen4_exp_vision", "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}}
+
+
 def tiny_preprocessor_config(vision: dict, min_pixels: int = 32 * 32, max_pixels: int = 128 * 128) -> dict:
     """preprocessor_config.json with small bounds: at most (128/32)^2 = 16 image tokens."""
     return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
@@ -318,7 +322,7 @@ def write_synthetic_checkpoint(
     """Write a random checkpoint of `family` in HF layout with a byte tokenizer
     (`words`: a word tokenizer whose text gives the token ids back).
 
-    `vision` (qwen3_5, qwen3_5_moe, qwen3_6_moe): also a tiny vision tower (`model.visual.*`),
+    `vision` (qwen3_5, qwen3_5_moe, qwen3_6_moe, qwen4_exp): also a tiny vision tower (`model.visual.*`),
     its config (vision_config, image/vision token ids), preprocessor_config.json and a
     tokenizer with <|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|> (ids 265-268) whose chat
     template renders image content parts as Qwen3.5's does. `vision_overrides` change the tower's
@@ -329,8 +333,8 @@ def write_synthetic_checkpoint(
     replies end after a handful of tokens (agents' end-to-end tests)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}")
-    if vision and (family in ("qwen3_next", "qwen4_exp") or words):
-        raise ValueError("vision checkpoints are Qwen3.5/3.6 families with the byte tokenizer")
+    if vision and (family == "qwen3_next" or words):
+        raise ValueError("vision checkpoints are Qwen3.5/3.6/3.8-Flash-Next families with the byte tokenizer")
     out_dir = Path(out_dir)
     if vision and "rope_parameters" not in text_overrides:
         # 8 rotary dims = 4 frequencies, interleaved t h w t: every M-RoPE axis moves the logits.
@@ -345,7 +349,8 @@ def write_synthetic_checkpoint(
     else:
         weights = hf_weights(model, head, config["model_type"], mtp_fused_experts=(family == "qwen3_6_moe"))
     if vision:
-        vc = tiny_vision_config(text["hidden_size"], **(vision_overrides or {}))
+        own = QWEN4_EXP_VISION if family == "qwen4_exp" else {}
+        vc = tiny_vision_config(text["hidden_size"], **{**own, **(vision_overrides or {})})
         first = 256 + len(QWEN_SPECIAL_TOKENS)
         config.update(vision_config=vc, vision_start_token_id=first, vision_end_token_id=first + 1,
                       image_token_id=first + 2, video_token_id=first + 3)
