@@ -349,8 +349,87 @@ inline void values_row(const float* p, const int* idx, long j0, long j1, const f
   }
 }
 
+// Rows sharing a whole tile of keys (each row's list holds every key of [s0, s1)) are
+// blocked: each load of a key or value vector serves R rows, where the one-row loops above
+// load it once per row (at T=1 a kv head's four query rows re-read every K and V tile).
+// Every (row, key) score is still one FMA chain over d and the same `hsum8`, every
+// (row, column) output one FMA chain over the keys ascending: the bits `scores4` /
+// `score1` and `values_block` give. Off (`set_row_blocks(false)`): the one-row loops only,
+// as benchmarks compare.
+bool row_blocks = true;
+
+// Scores of R rows (q[i], list entries from r[i]) against the NK keys k[0..NK): R x NK chains over d.
+template <int R, int NK>
+inline __attribute__((always_inline)) void scores_block(const float* const q[R], const float* const k[NK], long D,
+                                                        float* const r[R]) {
+  __m256 a[R][NK];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < NK; j++) a[i][j] = _mm256_setzero_ps();
+  for (long d = 0; d < D; d += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; j++) kv[j] = _mm256_loadu_ps(k[j] + d);
+    for (int i = 0; i < R; i++) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + d);
+      for (int j = 0; j < NK; j++) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < NK; j++) r[i][j] = hsum8(a[i][j]);
+}
+
+// Rows `rows[0..R)` (their q, their score rows at list entry j0[i]) against every key of the tile kt [n, D].
+template <int R>
+void scores_rows(const float* const q[R], float* const r[R], const float* kt, long n, long D) {
+  long s = 0;
+  for (; s + 2 <= n; s += 2) {
+    const float* k[2] = {kt + s * D, kt + (s + 1) * D};
+    float* rs[R];
+    for (int i = 0; i < R; i++) rs[i] = r[i] + s;
+    scores_block<R, 2>(q, k, D, rs);
+  }
+  for (; s < n; s++) {
+    const float* k[1] = {kt + s * D};
+    float* rs[R];
+    for (int i = 0; i < R; i++) rs[i] = r[i] + s;
+    scores_block<R, 1>(q, k, D, rs);
+  }
+}
+
+// out[i][0..16) += sum over the tile's n keys of p[i][s] * v[s, 0..16), R rows: one chain per column.
+template <int R>
+inline __attribute__((always_inline)) void values_rows16(const float* const p[R], const float* vt, long n, long D,
+                                                         float* const out[R]) {
+  __m256 a0[R], a1[R];
+  for (int i = 0; i < R; i++) a0[i] = _mm256_loadu_ps(out[i]), a1[i] = _mm256_loadu_ps(out[i] + 8);
+  for (long s = 0; s < n; s++) {
+    const __m256 v0 = _mm256_loadu_ps(vt + s * D), v1 = _mm256_loadu_ps(vt + s * D + 8);
+    for (int i = 0; i < R; i++) {
+      const __m256 ps = _mm256_broadcast_ss(p[i] + s);
+      a0[i] = _mm256_fmadd_ps(ps, v0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(ps, v1, a1[i]);
+    }
+  }
+  for (int i = 0; i < R; i++) _mm256_storeu_ps(out[i], a0[i]), _mm256_storeu_ps(out[i] + 8, a1[i]);
+}
+
+template <int R>
+void values_rows(const float* const p[R], const float* vt, long n, long D, float* const out[R]) {
+  for (long d = 0; d < D; d += 16) {  // D is a multiple of 16 wherever blocks are taken
+    float* o[R];
+    for (int i = 0; i < R; i++) o[i] = out[i] + d;
+    values_rows16<R>(p, vt + d, n, D, o);
+  }
+}
+
+// Whether row m's list, from entry j, holds exactly the keys [s0, s1) next (strictly ascending entries).
+inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
+  const long c = s1 - s0;
+  return j + c <= n && idx[j] == s0 && idx[j + c - 1] == s1 - 1;
+}
+
 struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
+  std::vector<long> whole;  // the rows taking a whole tile
   std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
 };
 
@@ -359,6 +438,7 @@ template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
   x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
+  x.whole.resize(M);
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
   for (long m = 0; m < M; m++) {  // the row's keys, ascending
     const long t = m % jb.T;
@@ -378,6 +458,26 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
   for (long s0 = 0; s0 < S; s0 += KT) {  // K tile by tile, each tile for every row
     const long s1 = std::min(S, s0 + KT);
     const float* kt = nullptr;
+    if (row_blocks) {  // rows taking the whole tile, four at a time
+      long* whole = x.whole.data(), nw = 0;
+      for (long m = 0; m < M; m++)
+        if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
+      if (nw > 0) kt = K.get(e, s0, s1, x.tile.data());
+      for (long b = 0; b < nw; b += 4) {
+        const float* qs[4];
+        float* rs[4];
+        const long R = std::min<long>(4, nw - b);
+        for (long i = 0; i < R; i++) {
+          const long m = whole[b + i];
+          qs[i] = q + m * D, rs[i] = x.sc.data() + m * W + x.cur[m];
+          x.cur[m] += int(s1 - s0);
+        }
+        if (R == 4) scores_rows<4>(qs, rs, kt, s1 - s0, D);
+        else if (R == 3) scores_rows<3>(qs, rs, kt, s1 - s0, D);
+        else if (R == 2) scores_rows<2>(qs, rs, kt, s1 - s0, D);
+        else scores_rows<1>(qs, rs, kt, s1 - s0, D);
+      }
+    }
     for (long m = 0; m < M; m++) {
       const int* idx = x.idx.data() + m * S;
       float* r = x.sc.data() + m * W;
@@ -418,6 +518,26 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
   for (long s0 = 0; s0 < S; s0 += KT) {  // V tile by tile, each tile for every row
     const long s1 = std::min(S, s0 + KT);
     const float* vt = nullptr;
+    if (row_blocks && D % 16 == 0) {  // rows taking the whole tile, four at a time
+      long* whole = x.whole.data(), nw = 0;
+      for (long m = 0; m < M; m++)
+        if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
+      if (nw > 0) vt = V.get(e, s0, s1, x.tile.data());
+      for (long b = 0; b < nw; b += 4) {
+        const float* ps[4];
+        float* os[4];
+        const long R = std::min<long>(4, nw - b);
+        for (long i = 0; i < R; i++) {
+          const long m = whole[b + i];
+          ps[i] = x.sc.data() + m * W + x.cur[m], os[i] = out + m * D;
+          x.cur[m] += int(s1 - s0);
+        }
+        if (R == 4) values_rows<4>(ps, vt, s1 - s0, D, os);
+        else if (R == 3) values_rows<3>(ps, vt, s1 - s0, D, os);
+        else if (R == 2) values_rows<2>(ps, vt, s1 - s0, D, os);
+        else values_rows<1>(ps, vt, s1 - s0, D, os);
+      }
+    }
     for (long m = 0; m < M; m++) {
       const int* idx = x.idx.data() + m * S;
       long j = x.cur[m], n = x.n[m], j1 = j;
@@ -550,6 +670,8 @@ mx::array attention_rows(const mx::array& q, const std::vector<mx::array>& kv, s
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
 void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
+  m.def("set_row_blocks", [](bool on) { qattn::row_blocks = on; }, "on"_a,
+        "attention_rows: rows sharing a whole key tile blocked (default) or each row alone (benchmarks compare)");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
   m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
