@@ -108,17 +108,18 @@ def test_rows_blocked_over_key_tiles_give_each_row_alone_bits(kv, T):
     bkeys, bvalues = batch.update_and_fetch(kb, vb)
     outs = {}
     try:
-        for on in (True, False):
-            assert quantized_attention.set_row_blocks(on)
+        for form in ("wide", "8-lane", "alone"):  # wide: AVX-512 where the CPU has it, else as 8-lane
+            assert quantized_attention.set_row_blocks(form != "alone", wide=form == "wide")
             window = quantized_attention.attention_rows(q, keys, values, cache, SCALE, "causal" if T > 1 else None)
             rows = quantized_attention.attention_rows(qb, bkeys, bvalues, batch, SCALE, bmask)
             mx.eval(window, rows)
-            outs[on] = (window, rows)
+            outs[form] = (window, rows)
     finally:
         quantized_attention.set_row_blocks(True)
-    assert mx.array_equal(outs[True][0], outs[False][0]).item()
-    assert mx.array_equal(outs[True][1], outs[False][1]).item()
-    assert mx.allclose(outs[True][0], reference(q, keys, values, cache, "causal" if T > 1 else None),
+    for form in ("wide", "8-lane"):
+        assert mx.array_equal(outs[form][0], outs["alone"][0]).item(), form
+        assert mx.array_equal(outs[form][1], outs["alone"][1]).item(), form
+    assert mx.allclose(outs["wide"][0], reference(q, keys, values, cache, "causal" if T > 1 else None),
                        atol=1e-5, rtol=1e-4).item()
 
 

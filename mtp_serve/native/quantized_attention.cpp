@@ -357,6 +357,7 @@ inline void values_row(const float* p, const int* idx, long j0, long j1, const f
 // `score1` and `values_block` give. Off (`set_row_blocks(false)`): the one-row loops only,
 // as benchmarks compare.
 bool row_blocks = true;
+bool row_blocks_wide = true;  // on CPUs with AVX-512, the blocks' 16-lane form below (`set_row_blocks`)
 
 // Scores of R rows (q[i], list entries from r[i]) against the NK keys k[0..NK): R x NK chains over d.
 template <int R, int NK>
@@ -421,6 +422,82 @@ void values_rows(const float* const p[R], const float* vt, long n, long D, float
   }
 }
 
+// The same blocks on 16-lane registers where the CPU has AVX-512 (half the FMA instructions).
+// Values: a lane is one column's chain whatever the vector's width. Scores: two rows share a
+// register, one in each 256-bit half (their q packed beforehand), each key's 8 values
+// broadcast to both halves, so a half is the 8-lane chain over d of one (row, key) and
+// `hsum8` of it the bits above.
+#define TGT512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+const bool have_avx512 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}();
+
+template <int P, int NK>
+TGT512 inline __attribute__((always_inline)) void scores_block512(const float* qp, const float* const k[NK], long D,
+                                                                  float* const r[2 * P], int rows) {
+  __m512 a[P][NK];
+  for (int i = 0; i < P; i++)
+    for (int j = 0; j < NK; j++) a[i][j] = _mm512_setzero_ps();
+  for (long d = 0; d < D; d += 8) {
+    __m512 qv[P];
+    for (int i = 0; i < P; i++) qv[i] = _mm512_loadu_ps(qp + (size_t(i) * D + d) * 2);
+    for (int j = 0; j < NK; j++) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(k[j] + d));
+      for (int i = 0; i < P; i++) a[i][j] = _mm512_fmadd_ps(qv[i], kv, a[i][j]);
+    }
+  }
+  for (int i = 0; i < P; i++)
+    for (int j = 0; j < NK; j++) {
+      r[2 * i][j] = hsum8(_mm512_castps512_ps256(a[i][j]));
+      if (2 * i + 1 < rows) r[2 * i + 1][j] = hsum8(_mm512_extractf32x8_ps(a[i][j], 1));
+    }
+}
+
+// Rows q[0..R) (R <= 4) against every key of the tile kt [n, D], scores into r[i][0..n).
+template <int R>
+TGT512 void scores_rows512(const float* const q[R], float* const r[R], const float* kt, long n, long D, float* qp) {
+  constexpr int P = (R + 1) / 2;
+  for (int i = 0; i < P; i++)  // pairs: 8 of row 2i, then 8 of row 2i + 1 (zeros past the last row)
+    for (long d = 0; d < D; d += 8)
+      for (int l = 0; l < 8; l++) {
+        qp[(size_t(i) * D + d) * 2 + l] = q[2 * i][d + l];
+        qp[(size_t(i) * D + d) * 2 + 8 + l] = 2 * i + 1 < R ? q[2 * i + 1][d + l] : 0.0f;
+      }
+  long s = 0;
+  for (; s + 4 <= n; s += 4) {
+    const float* k[4] = {kt + s * D, kt + (s + 1) * D, kt + (s + 2) * D, kt + (s + 3) * D};
+    float* rs[2 * P];
+    for (int i = 0; i < 2 * P; i++) rs[i] = i < R ? r[i] + s : nullptr;
+    scores_block512<P, 4>(qp, k, D, rs, R);
+  }
+  for (; s < n; s++) {
+    const float* k[1] = {kt + s * D};
+    float* rs[2 * P];
+    for (int i = 0; i < 2 * P; i++) rs[i] = i < R ? r[i] + s : nullptr;
+    scores_block512<P, 1>(qp, k, D, rs, R);
+  }
+}
+
+// values_rows on 16-lane registers, 32 columns a block (D a multiple of 32).
+template <int R>
+TGT512 void values_rows512(const float* const p[R], const float* vt, long n, long D, float* const out[R]) {
+  for (long d = 0; d < D; d += 32) {
+    __m512 a0[R], a1[R];
+    for (int i = 0; i < R; i++) a0[i] = _mm512_loadu_ps(out[i] + d), a1[i] = _mm512_loadu_ps(out[i] + d + 16);
+    for (long s = 0; s < n; s++) {
+      const __m512 v0 = _mm512_loadu_ps(vt + s * D + d), v1 = _mm512_loadu_ps(vt + s * D + d + 16);
+      for (int i = 0; i < R; i++) {
+        const __m512 ps = _mm512_set1_ps(p[i][s]);
+        a0[i] = _mm512_fmadd_ps(ps, v0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(ps, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out[i] + d, a0[i]), _mm512_storeu_ps(out[i] + d + 16, a1[i]);
+  }
+}
+
 // Whether row m's list, from entry j, holds exactly the keys [s0, s1) next (strictly ascending entries).
 inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
   const long c = s1 - s0;
@@ -430,6 +507,7 @@ inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
 struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
   std::vector<long> whole;  // the rows taking a whole tile
+  std::vector<float> qpack;  // four rows' q in pairs (the AVX-512 scores)
   std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
 };
 
@@ -438,7 +516,8 @@ template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
   x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
-  x.whole.resize(M);
+  x.whole.resize(M), x.qpack.resize(size_t(4) * D);
+  const bool wide = row_blocks_wide && have_avx512;
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
   for (long m = 0; m < M; m++) {  // the row's keys, ascending
     const long t = m % jb.T;
@@ -472,7 +551,13 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
           qs[i] = q + m * D, rs[i] = x.sc.data() + m * W + x.cur[m];
           x.cur[m] += int(s1 - s0);
         }
-        if (R == 4) scores_rows<4>(qs, rs, kt, s1 - s0, D);
+        if (wide) {
+          float* qp = x.qpack.data();
+          if (R == 4) scores_rows512<4>(qs, rs, kt, s1 - s0, D, qp);
+          else if (R == 3) scores_rows512<3>(qs, rs, kt, s1 - s0, D, qp);
+          else if (R == 2) scores_rows512<2>(qs, rs, kt, s1 - s0, D, qp);
+          else scores_rows512<1>(qs, rs, kt, s1 - s0, D, qp);
+        } else if (R == 4) scores_rows<4>(qs, rs, kt, s1 - s0, D);
         else if (R == 3) scores_rows<3>(qs, rs, kt, s1 - s0, D);
         else if (R == 2) scores_rows<2>(qs, rs, kt, s1 - s0, D);
         else scores_rows<1>(qs, rs, kt, s1 - s0, D);
@@ -532,7 +617,12 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
           ps[i] = x.sc.data() + m * W + x.cur[m], os[i] = out + m * D;
           x.cur[m] += int(s1 - s0);
         }
-        if (R == 4) values_rows<4>(ps, vt, s1 - s0, D, os);
+        if (wide && D % 32 == 0) {
+          if (R == 4) values_rows512<4>(ps, vt, s1 - s0, D, os);
+          else if (R == 3) values_rows512<3>(ps, vt, s1 - s0, D, os);
+          else if (R == 2) values_rows512<2>(ps, vt, s1 - s0, D, os);
+          else values_rows512<1>(ps, vt, s1 - s0, D, os);
+        } else if (R == 4) values_rows<4>(ps, vt, s1 - s0, D, os);
         else if (R == 3) values_rows<3>(ps, vt, s1 - s0, D, os);
         else if (R == 2) values_rows<2>(ps, vt, s1 - s0, D, os);
         else values_rows<1>(ps, vt, s1 - s0, D, os);
@@ -670,8 +760,10 @@ mx::array attention_rows(const mx::array& q, const std::vector<mx::array>& kv, s
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
 void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
-  m.def("set_row_blocks", [](bool on) { qattn::row_blocks = on; }, "on"_a,
-        "attention_rows: rows sharing a whole key tile blocked (default) or each row alone (benchmarks compare)");
+  m.def("set_row_blocks", [](bool on, bool wide) { qattn::row_blocks = on, qattn::row_blocks_wide = wide; }, "on"_a,
+        "wide"_a = true,
+        "attention_rows: rows sharing a whole key tile blocked (default; wide: on 16-lane registers where the CPU "
+        "has AVX-512) or each row alone (benchmarks and tests compare the forms)");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
   m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
