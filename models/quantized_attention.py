@@ -120,9 +120,10 @@ def rows_kernel() -> Optional[Any]:
 
 def set_row_blocks(on: bool, wide: bool = True) -> bool:
     """On (the default): `attention_rows` blocks the query rows that share a whole tile of keys,
-    each K and V load serving up to four rows, on 16-lane registers where the CPU has AVX-512
-    (wide) or 8-lane ones; off: each row alone. All three give the same bits (tests and
-    benchmarks compare them). Returns whether the kernel is there to set."""
+    each K and V load serving up to four rows; wide: where the CPU has AVX-512, the blocks and
+    the unpacking of quantized K/V tiles on 16-lane registers (else 8-lane ones); off: each row
+    alone. Every form gives the same bits (tests and benchmarks compare them). Returns whether
+    the kernel is there to set."""
     ext = rows_kernel()
     if ext is None or not hasattr(ext, "set_row_blocks"):
         return False

@@ -263,6 +263,19 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
+// The forms below (`set_row_blocks`): the query rows that share a tile of keys blocked (or each
+// row alone), and where the CPU has AVX-512 (wide) the blocks and the unpacking of quantized tiles
+// on 16-lane registers. Every form gives the same bits.
+bool row_blocks = true;
+bool row_blocks_wide = true;
+
+#define TGT512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+const bool have_avx512 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}();
+
 // Rows [s0, s1) of one head's keys or values as floats: fp32 buffers in place.
 struct FloatRows {
   const float* base;  // [E, Sbuf, D]
@@ -279,6 +292,7 @@ struct QuantRows {
   long Sbuf, D;
   int gs;
   const float* get(long e, long s0, long s1, float* tmp) const {
+    if (row_blocks_wide && have_avx512 && D % 16 == 0) return get512(e, s0, s1, tmp);
     const long Dw = D * BITS / 32, G = D / gs;
     for (long s = s0; s < s1; s++) {
       const uint32_t* wr = w + (size_t(e) * Sbuf + s) * Dw;
@@ -291,7 +305,42 @@ struct QuantRows {
     }
     return tmp;
   }
+  const float* get512(long e, long s0, long s1, float* tmp) const;
 };
+
+// The same unpacking 16 values at a time where the CPU has AVX-512: each value one FMA, q * scale + bias.
+template <int BITS, int ST>
+TGT512 __attribute__((noinline)) const float* unpack_rows512(const uint32_t* w, const void* scales, const void* biases,
+                                                               long Sbuf, long D, int gs, long e, long s0, long s1,
+                                                               float* tmp) {
+  const long Dw = D * BITS / 32, G = D / gs;
+  for (long s = s0; s < s1; s++) {
+    const uint32_t* wr = w + (size_t(e) * Sbuf + s) * Dw;
+    const long g0 = (size_t(e) * Sbuf + s) * G;
+    float* out = tmp + (s - s0) * D;
+    for (long c = 0; c < D; c += 16) {
+      const __m512 sc = _mm512_set1_ps(ld1<ST>(scales, g0 + c / gs)), bi = _mm512_set1_ps(ld1<ST>(biases, g0 + c / gs));
+      __m512 v;
+      if constexpr (BITS == 8) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(wr) + c));
+        v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+      } else {  // 16 nibbles of two words, element i at bits 4 (i % 8) of word i / 8
+        const __m512i words = _mm512_set1_epi64((long long)(uint64_t(wr[c / 8]) | (uint64_t(wr[c / 8 + 1]) << 32)));
+        const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i w32 = _mm512_permutexvar_epi32(lo, words);
+        const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w32, sh), _mm512_set1_epi32(0xF)));
+      }
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(v, sc, bi));
+    }
+  }
+  return tmp;
+}
+
+template <int BITS, int ST>
+const float* QuantRows<BITS, ST>::get512(long e, long s0, long s1, float* tmp) const {
+  return unpack_rows512<BITS, ST>(w, scales, biases, Sbuf, D, gs, e, s0, s1, tmp);
+}
 
 struct RowsJob {
   const float* q;  // [E * M, D], scaled
@@ -356,8 +405,6 @@ inline void values_row(const float* p, const int* idx, long j0, long j1, const f
 // (row, column) output one FMA chain over the keys ascending: the bits `scores4` /
 // `score1` and `values_block` give. Off (`set_row_blocks(false)`): the one-row loops only,
 // as benchmarks compare.
-bool row_blocks = true;
-bool row_blocks_wide = true;  // on CPUs with AVX-512, the blocks' 16-lane form below (`set_row_blocks`)
 
 // Scores of R rows (q[i], list entries from r[i]) against the NK keys k[0..NK): R x NK chains over d.
 template <int R, int NK>
@@ -427,12 +474,6 @@ void values_rows(const float* const p[R], const float* vt, long n, long D, float
 // register, one in each 256-bit half (their q packed beforehand), each key's 8 values
 // broadcast to both halves, so a half is the 8-lane chain over d of one (row, key) and
 // `hsum8` of it the bits above.
-#define TGT512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
-
-const bool have_avx512 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-}();
 
 template <int P, int NK>
 TGT512 inline __attribute__((always_inline)) void scores_block512(const float* qp, const float* const k[NK], long D,
@@ -762,8 +803,8 @@ void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
   m.def("set_row_blocks", [](bool on, bool wide) { qattn::row_blocks = on, qattn::row_blocks_wide = wide; }, "on"_a,
         "wide"_a = true,
-        "attention_rows: rows sharing a whole key tile blocked (default; wide: on 16-lane registers where the CPU "
-        "has AVX-512) or each row alone (benchmarks and tests compare the forms)");
+        "attention_rows: rows sharing a whole key tile blocked (default) or each row alone; wide: the blocks and "
+        "the unpacking of quantized tiles on 16-lane registers where the CPU has AVX-512 (tests compare the forms)");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
   m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
