@@ -425,7 +425,7 @@ inline __attribute__((always_inline)) void scores_block(const float* const q[R],
     for (int j = 0; j < NK; j++) r[i][j] = hsum8(a[i][j]);
 }
 
-// Rows `rows[0..R)` (their q, their score rows at list entry j0[i]) against every key of the tile kt [n, D].
+// Rows q[0..R) against every key of the tile kt [n, D], scores into r[i][0..n) (each row at the tile's first key).
 template <int R>
 void scores_rows(const float* const q[R], float* const r[R], const float* kt, long n, long D) {
   long s = 0;
