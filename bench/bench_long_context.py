@@ -16,7 +16,9 @@ ratio MTP/plain is printed per pair and as the median.
 --windows: bench_kv_steps.py's caches (random keys and values of the context's length
 in every attention layer, full or 8-bit KV) and the time of a backbone forward of T
 tokens, T = --window-sizes, as plain steps (T=1), the fastest of --iters runs,
-settings interleaved.
+settings interleaved. With `--forms now before`, each setting also runs with the attention
+kernel's rows each alone (`quantized_attention.set_row_blocks(False)`: no blocking of the
+query rows over key tiles), interleaved, and the ratio before/now of each time is printed.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def window_part(args) -> list:
     from bench_kv_quant import MODELS, SETTINGS
     from bench_kv_steps import long_cache
 
+    from mtp_serve.models import quantized_attention
+
     rows = []
     for name in args.models:
         lm, _, _ = MODELS[name]()
@@ -117,10 +121,13 @@ def window_part(args) -> list:
             for label in args.kv:
                 kv = SETTINGS[label]
                 cache, head, hidden, reset = long_cache(model, kv, S)
-                runs.append(dict(label=label, kv=kv, cache=cache, reset=reset, times={T: [] for T in args.window_sizes}))
+                for form in args.forms:
+                    runs.append(dict(label=label, form=form, kv=kv, cache=cache, reset=reset,
+                                     times={T: [] for T in args.window_sizes}))
             for it in range(args.iters + 1):  # iteration 0: warm-up
                 for run in runs:
                     model.use_kv(run["kv"])
+                    quantized_attention.set_row_blocks(run["form"] == "now")
                     for T in args.window_sizes:
                         run["reset"]()
                         set_capture(run["cache"], T > 1)
@@ -129,14 +136,20 @@ def window_part(args) -> list:
                         if it:
                             run["times"][T].append(pc() - t0)
                         set_capture(run["cache"], False)
+            quantized_attention.set_row_blocks(True)
             for run in runs:
                 best = {T: min(v) * 1e3 for T, v in run["times"].items()}
-                row = dict(model=name, context=S, kv=run["label"], ms=best,
+                row = dict(model=name, context=S, kv=run["label"], form=run["form"], ms=best,
                            plain_steps={T: best[T] / best[1] for T in best})
                 rows.append(row)
-                print(f"[{name}] ctx {S:6d} {run['label']:6s} plain {best[1]:7.1f} ms; "
+                print(f"[{name}] ctx {S:6d} {run['label']:6s} {run['form']:6s} plain {best[1]:7.1f} ms; "
                       + ", ".join(f"T={T} {best[T]:7.1f} ms ({row['plain_steps'][T]:.2f} steps)" for T in best if T > 1),
                       flush=True)
+            for label in args.kv if len(args.forms) == 2 else []:
+                now, before = (next(r for r in rows[-len(runs):] if r["kv"] == label and r["form"] == f)
+                               for f in ("now", "before"))
+                print(f"[{name}] ctx {S:6d} {label:6s} before/now time: "
+                      + ", ".join(f"T={T} {before['ms'][T] / now['ms'][T]:.2f}" for T in now["ms"]), flush=True)
     return rows
 
 
@@ -153,6 +166,8 @@ def main(argv=None) -> None:
     ap.add_argument("--window-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--kv", nargs="+", default=["full", "8-bit"], choices=["full", "8-bit", "4-bit"])
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before"],
+                    help="before: the attention kernel's rows each alone too, interleaved (see --windows above)")
     ap.add_argument("--out", default=".work/bench/long_context.json")
     args = ap.parse_args(argv)
     if 1 not in args.window_sizes:

@@ -118,6 +118,19 @@ def rows_kernel() -> Optional[Any]:
     return ext if ext is not None and hasattr(ext, "attention_rows") else None
 
 
+def set_row_blocks(on: bool, wide: bool = True) -> bool:
+    """On (the default): `attention_rows` blocks the query rows that share a whole tile of keys,
+    each K and V load serving up to four rows; wide: where the CPU has AVX-512, the blocks and
+    the unpacking of quantized K/V tiles on 16-lane registers (else 8-lane ones); off: each row
+    alone. Every form gives the same bits (tests and benchmarks compare them). Returns whether
+    the kernel is there to set."""
+    ext = rows_kernel()
+    if ext is None or not hasattr(ext, "set_row_blocks"):
+        return False
+    ext.set_row_blocks(on, wide)
+    return True
+
+
 def _rows_mask(mask: Any, B: int, T: int, S: int) -> Tuple[bool, Optional[mx.array]]:
     """(causal, bool mask [B, T, S] or None) for the kernel; None for masks it does not take."""
     if mask is None or (isinstance(mask, str) and mask == "causal"):

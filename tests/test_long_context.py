@@ -1,7 +1,7 @@
 """Decode attention over long caches: the native kernel (`quantized_attention.attention_rows`)
 scores a verify window over 8k+ keys as single steps would, bit for bit, at every row (full
 precision, 8-bit and 4-bit KV), a row in a batch (left padding, rolled-back holes) as it
-scores alone, and matches mlx-lm's attention to fp32 rounding; greedy MTP stays
+scores alone, with the query rows blocked over key tiles as with each row alone, and matches mlx-lm's attention to fp32 rounding; greedy MTP stays
 token-identical to plain decoding after a long prompt at each KV setting."""
 
 import mlx.core as mx
@@ -91,6 +91,36 @@ def test_a_row_in_a_batch_scores_as_it_does_alone(kv):
     for i, c in enumerate(singles):
         alone, _, _ = step(c, q[i : i + 1], k[i : i + 1], v[i : i + 1], "causal")
         assert mx.array_equal(alone, together[i : i + 1]).item(), f"row {i}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_rows_blocked_over_key_tiles_give_each_row_alone_bits(kv, T):
+    """Blocking the rows that share a key tile changes which loads serve which rows, never a
+    row's bits: a window (causal, 8k+ keys) and a padded batch, blocked and row by row."""
+    cache = filled(kv, 8300 - T)
+    q, k, v = normal(B, HQ, T, D), normal(B, HKV, T, D), normal(B, HKV, T, D)
+    keys, values = cache.update_and_fetch(k, v)
+    batch = filled(kv, [4100, 700], rows=2)
+    qb, kb, vb = normal(2, HQ, T, D), normal(2, HKV, T, D), normal(2, HKV, T, D)
+    bmask = batch.make_mask(T, return_array=True)
+    bkeys, bvalues = batch.update_and_fetch(kb, vb)
+    outs = {}
+    try:
+        for form in ("wide", "8-lane", "alone"):  # wide: AVX-512 where the CPU has it, else as 8-lane
+            assert quantized_attention.set_row_blocks(form != "alone", wide=form == "wide")
+            window = quantized_attention.attention_rows(q, keys, values, cache, SCALE, "causal" if T > 1 else None)
+            rows = quantized_attention.attention_rows(qb, bkeys, bvalues, batch, SCALE, bmask)
+            mx.eval(window, rows)
+            outs[form] = (window, rows)
+    finally:
+        quantized_attention.set_row_blocks(True)
+    for form in ("wide", "8-lane"):
+        assert mx.array_equal(outs[form][0], outs["alone"][0]).item(), form
+        assert mx.array_equal(outs[form][1], outs["alone"][1]).item(), form
+    assert mx.allclose(outs["wide"][0], reference(q, keys, values, cache, "causal" if T > 1 else None),
+                       atol=1e-5, rtol=1e-4).item()
 
 
 def generated(lm, prompt, depth, max_tokens=24):

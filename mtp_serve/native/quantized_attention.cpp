@@ -263,6 +263,19 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
+// The forms below (`set_row_blocks`): the query rows that share a tile of keys blocked (or each
+// row alone), and where the CPU has AVX-512 (wide) the blocks and the unpacking of quantized tiles
+// on 16-lane registers. Every form gives the same bits.
+bool row_blocks = true;
+bool row_blocks_wide = true;
+
+#define TGT512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+const bool have_avx512 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}();
+
 // Rows [s0, s1) of one head's keys or values as floats: fp32 buffers in place.
 struct FloatRows {
   const float* base;  // [E, Sbuf, D]
@@ -279,6 +292,7 @@ struct QuantRows {
   long Sbuf, D;
   int gs;
   const float* get(long e, long s0, long s1, float* tmp) const {
+    if (row_blocks_wide && have_avx512 && D % 16 == 0) return get512(e, s0, s1, tmp);
     const long Dw = D * BITS / 32, G = D / gs;
     for (long s = s0; s < s1; s++) {
       const uint32_t* wr = w + (size_t(e) * Sbuf + s) * Dw;
@@ -291,7 +305,42 @@ struct QuantRows {
     }
     return tmp;
   }
+  const float* get512(long e, long s0, long s1, float* tmp) const;
 };
+
+// The same unpacking 16 values at a time where the CPU has AVX-512: each value one FMA, q * scale + bias.
+template <int BITS, int ST>
+TGT512 __attribute__((noinline)) const float* unpack_rows512(const uint32_t* w, const void* scales, const void* biases,
+                                                               long Sbuf, long D, int gs, long e, long s0, long s1,
+                                                               float* tmp) {
+  const long Dw = D * BITS / 32, G = D / gs;
+  for (long s = s0; s < s1; s++) {
+    const uint32_t* wr = w + (size_t(e) * Sbuf + s) * Dw;
+    const long g0 = (size_t(e) * Sbuf + s) * G;
+    float* out = tmp + (s - s0) * D;
+    for (long c = 0; c < D; c += 16) {
+      const __m512 sc = _mm512_set1_ps(ld1<ST>(scales, g0 + c / gs)), bi = _mm512_set1_ps(ld1<ST>(biases, g0 + c / gs));
+      __m512 v;
+      if constexpr (BITS == 8) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(wr) + c));
+        v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+      } else {  // 16 nibbles of two words, element i at bits 4 (i % 8) of word i / 8
+        const __m512i words = _mm512_set1_epi64((long long)(uint64_t(wr[c / 8]) | (uint64_t(wr[c / 8 + 1]) << 32)));
+        const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i w32 = _mm512_permutexvar_epi32(lo, words);
+        const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w32, sh), _mm512_set1_epi32(0xF)));
+      }
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(v, sc, bi));
+    }
+  }
+  return tmp;
+}
+
+template <int BITS, int ST>
+const float* QuantRows<BITS, ST>::get512(long e, long s0, long s1, float* tmp) const {
+  return unpack_rows512<BITS, ST>(w, scales, biases, Sbuf, D, gs, e, s0, s1, tmp);
+}
 
 struct RowsJob {
   const float* q;  // [E * M, D], scaled
@@ -349,8 +398,157 @@ inline void values_row(const float* p, const int* idx, long j0, long j1, const f
   }
 }
 
+// Rows sharing a whole tile of keys (each row's list holds every key of [s0, s1)) are
+// blocked: each load of a key or value vector serves R rows, where the one-row loops above
+// load it once per row (at T=1 a kv head's four query rows re-read every K and V tile).
+// Every (row, key) score is still one FMA chain over d and the same `hsum8`, every
+// (row, column) output one FMA chain over the keys ascending: the bits `scores4` /
+// `score1` and `values_block` give. Off (`set_row_blocks(false)`): the one-row loops only,
+// as benchmarks compare.
+
+// Scores of R rows (q[i], list entries from r[i]) against the NK keys k[0..NK): R x NK chains over d.
+template <int R, int NK>
+inline __attribute__((always_inline)) void scores_block(const float* const q[R], const float* const k[NK], long D,
+                                                        float* const r[R]) {
+  __m256 a[R][NK];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < NK; j++) a[i][j] = _mm256_setzero_ps();
+  for (long d = 0; d < D; d += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; j++) kv[j] = _mm256_loadu_ps(k[j] + d);
+    for (int i = 0; i < R; i++) {
+      const __m256 qv = _mm256_loadu_ps(q[i] + d);
+      for (int j = 0; j < NK; j++) a[i][j] = _mm256_fmadd_ps(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < NK; j++) r[i][j] = hsum8(a[i][j]);
+}
+
+// Rows q[0..R) against every key of the tile kt [n, D], scores into r[i][0..n) (each row at the tile's first key).
+template <int R>
+void scores_rows(const float* const q[R], float* const r[R], const float* kt, long n, long D) {
+  long s = 0;
+  for (; s + 2 <= n; s += 2) {
+    const float* k[2] = {kt + s * D, kt + (s + 1) * D};
+    float* rs[R];
+    for (int i = 0; i < R; i++) rs[i] = r[i] + s;
+    scores_block<R, 2>(q, k, D, rs);
+  }
+  for (; s < n; s++) {
+    const float* k[1] = {kt + s * D};
+    float* rs[R];
+    for (int i = 0; i < R; i++) rs[i] = r[i] + s;
+    scores_block<R, 1>(q, k, D, rs);
+  }
+}
+
+// out[i][0..16) += sum over the tile's n keys of p[i][s] * v[s, 0..16), R rows: one chain per column.
+template <int R>
+inline __attribute__((always_inline)) void values_rows16(const float* const p[R], const float* vt, long n, long D,
+                                                         float* const out[R]) {
+  __m256 a0[R], a1[R];
+  for (int i = 0; i < R; i++) a0[i] = _mm256_loadu_ps(out[i]), a1[i] = _mm256_loadu_ps(out[i] + 8);
+  for (long s = 0; s < n; s++) {
+    const __m256 v0 = _mm256_loadu_ps(vt + s * D), v1 = _mm256_loadu_ps(vt + s * D + 8);
+    for (int i = 0; i < R; i++) {
+      const __m256 ps = _mm256_broadcast_ss(p[i] + s);
+      a0[i] = _mm256_fmadd_ps(ps, v0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(ps, v1, a1[i]);
+    }
+  }
+  for (int i = 0; i < R; i++) _mm256_storeu_ps(out[i], a0[i]), _mm256_storeu_ps(out[i] + 8, a1[i]);
+}
+
+template <int R>
+void values_rows(const float* const p[R], const float* vt, long n, long D, float* const out[R]) {
+  for (long d = 0; d < D; d += 16) {  // D is a multiple of 16 wherever blocks are taken
+    float* o[R];
+    for (int i = 0; i < R; i++) o[i] = out[i] + d;
+    values_rows16<R>(p, vt + d, n, D, o);
+  }
+}
+
+// The same blocks on 16-lane registers where the CPU has AVX-512 (half the FMA instructions).
+// Values: a lane is one column's chain whatever the vector's width. Scores: two rows share a
+// register, one in each 256-bit half (their q packed beforehand), each key's 8 values
+// broadcast to both halves, so a half is the 8-lane chain over d of one (row, key) and
+// `hsum8` of it the bits above.
+
+template <int P, int NK>
+TGT512 inline __attribute__((always_inline)) void scores_block512(const float* qp, const float* const k[NK], long D,
+                                                                  float* const r[2 * P], int rows) {
+  __m512 a[P][NK];
+  for (int i = 0; i < P; i++)
+    for (int j = 0; j < NK; j++) a[i][j] = _mm512_setzero_ps();
+  for (long d = 0; d < D; d += 8) {
+    __m512 qv[P];
+    for (int i = 0; i < P; i++) qv[i] = _mm512_loadu_ps(qp + (size_t(i) * D + d) * 2);
+    for (int j = 0; j < NK; j++) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(k[j] + d));
+      for (int i = 0; i < P; i++) a[i][j] = _mm512_fmadd_ps(qv[i], kv, a[i][j]);
+    }
+  }
+  for (int i = 0; i < P; i++)
+    for (int j = 0; j < NK; j++) {
+      r[2 * i][j] = hsum8(_mm512_castps512_ps256(a[i][j]));
+      if (2 * i + 1 < rows) r[2 * i + 1][j] = hsum8(_mm512_extractf32x8_ps(a[i][j], 1));
+    }
+}
+
+// Rows q[0..R) (R <= 4) against every key of the tile kt [n, D], scores into r[i][0..n).
+template <int R>
+TGT512 void scores_rows512(const float* const q[R], float* const r[R], const float* kt, long n, long D, float* qp) {
+  constexpr int P = (R + 1) / 2;
+  for (int i = 0; i < P; i++)  // pairs: 8 of row 2i, then 8 of row 2i + 1 (zeros past the last row)
+    for (long d = 0; d < D; d += 8)
+      for (int l = 0; l < 8; l++) {
+        qp[(size_t(i) * D + d) * 2 + l] = q[2 * i][d + l];
+        qp[(size_t(i) * D + d) * 2 + 8 + l] = 2 * i + 1 < R ? q[2 * i + 1][d + l] : 0.0f;
+      }
+  long s = 0;
+  for (; s + 4 <= n; s += 4) {
+    const float* k[4] = {kt + s * D, kt + (s + 1) * D, kt + (s + 2) * D, kt + (s + 3) * D};
+    float* rs[2 * P];
+    for (int i = 0; i < 2 * P; i++) rs[i] = i < R ? r[i] + s : nullptr;
+    scores_block512<P, 4>(qp, k, D, rs, R);
+  }
+  for (; s < n; s++) {
+    const float* k[1] = {kt + s * D};
+    float* rs[2 * P];
+    for (int i = 0; i < 2 * P; i++) rs[i] = i < R ? r[i] + s : nullptr;
+    scores_block512<P, 1>(qp, k, D, rs, R);
+  }
+}
+
+// values_rows on 16-lane registers, 32 columns a block (D a multiple of 32).
+template <int R>
+TGT512 void values_rows512(const float* const p[R], const float* vt, long n, long D, float* const out[R]) {
+  for (long d = 0; d < D; d += 32) {
+    __m512 a0[R], a1[R];
+    for (int i = 0; i < R; i++) a0[i] = _mm512_loadu_ps(out[i] + d), a1[i] = _mm512_loadu_ps(out[i] + d + 16);
+    for (long s = 0; s < n; s++) {
+      const __m512 v0 = _mm512_loadu_ps(vt + s * D + d), v1 = _mm512_loadu_ps(vt + s * D + d + 16);
+      for (int i = 0; i < R; i++) {
+        const __m512 ps = _mm512_set1_ps(p[i][s]);
+        a0[i] = _mm512_fmadd_ps(ps, v0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(ps, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out[i] + d, a0[i]), _mm512_storeu_ps(out[i] + d + 16, a1[i]);
+  }
+}
+
+// Whether row m's list, from entry j, holds exactly the keys [s0, s1) next (strictly ascending entries).
+inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
+  const long c = s1 - s0;
+  return j + c <= n && idx[j] == s0 && idx[j + c - 1] == s1 - 1;
+}
+
 struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
+  std::vector<long> whole;  // the rows taking a whole tile
+  std::vector<float> qpack;  // four rows' q in pairs (the AVX-512 scores)
   std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
 };
 
@@ -359,6 +557,8 @@ template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
   x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
+  x.whole.resize(M), x.qpack.resize(size_t(4) * D);
+  const bool wide = row_blocks_wide && have_avx512;
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
   for (long m = 0; m < M; m++) {  // the row's keys, ascending
     const long t = m % jb.T;
@@ -378,6 +578,32 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
   for (long s0 = 0; s0 < S; s0 += KT) {  // K tile by tile, each tile for every row
     const long s1 = std::min(S, s0 + KT);
     const float* kt = nullptr;
+    if (row_blocks) {  // rows taking the whole tile, four at a time
+      long* whole = x.whole.data(), nw = 0;
+      for (long m = 0; m < M; m++)
+        if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
+      if (nw > 0) kt = K.get(e, s0, s1, x.tile.data());
+      for (long b = 0; b < nw; b += 4) {
+        const float* qs[4];
+        float* rs[4];
+        const long R = std::min<long>(4, nw - b);
+        for (long i = 0; i < R; i++) {
+          const long m = whole[b + i];
+          qs[i] = q + m * D, rs[i] = x.sc.data() + m * W + x.cur[m];
+          x.cur[m] += int(s1 - s0);
+        }
+        if (wide) {
+          float* qp = x.qpack.data();
+          if (R == 4) scores_rows512<4>(qs, rs, kt, s1 - s0, D, qp);
+          else if (R == 3) scores_rows512<3>(qs, rs, kt, s1 - s0, D, qp);
+          else if (R == 2) scores_rows512<2>(qs, rs, kt, s1 - s0, D, qp);
+          else scores_rows512<1>(qs, rs, kt, s1 - s0, D, qp);
+        } else if (R == 4) scores_rows<4>(qs, rs, kt, s1 - s0, D);
+        else if (R == 3) scores_rows<3>(qs, rs, kt, s1 - s0, D);
+        else if (R == 2) scores_rows<2>(qs, rs, kt, s1 - s0, D);
+        else scores_rows<1>(qs, rs, kt, s1 - s0, D);
+      }
+    }
     for (long m = 0; m < M; m++) {
       const int* idx = x.idx.data() + m * S;
       float* r = x.sc.data() + m * W;
@@ -418,6 +644,31 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
   for (long s0 = 0; s0 < S; s0 += KT) {  // V tile by tile, each tile for every row
     const long s1 = std::min(S, s0 + KT);
     const float* vt = nullptr;
+    if (row_blocks && D % 16 == 0) {  // rows taking the whole tile, four at a time
+      long* whole = x.whole.data(), nw = 0;
+      for (long m = 0; m < M; m++)
+        if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
+      if (nw > 0) vt = V.get(e, s0, s1, x.tile.data());
+      for (long b = 0; b < nw; b += 4) {
+        const float* ps[4];
+        float* os[4];
+        const long R = std::min<long>(4, nw - b);
+        for (long i = 0; i < R; i++) {
+          const long m = whole[b + i];
+          ps[i] = x.sc.data() + m * W + x.cur[m], os[i] = out + m * D;
+          x.cur[m] += int(s1 - s0);
+        }
+        if (wide && D % 32 == 0) {
+          if (R == 4) values_rows512<4>(ps, vt, s1 - s0, D, os);
+          else if (R == 3) values_rows512<3>(ps, vt, s1 - s0, D, os);
+          else if (R == 2) values_rows512<2>(ps, vt, s1 - s0, D, os);
+          else values_rows512<1>(ps, vt, s1 - s0, D, os);
+        } else if (R == 4) values_rows<4>(ps, vt, s1 - s0, D, os);
+        else if (R == 3) values_rows<3>(ps, vt, s1 - s0, D, os);
+        else if (R == 2) values_rows<2>(ps, vt, s1 - s0, D, os);
+        else values_rows<1>(ps, vt, s1 - s0, D, os);
+      }
+    }
     for (long m = 0; m < M; m++) {
       const int* idx = x.idx.data() + m * S;
       long j = x.cur[m], n = x.n[m], j1 = j;
@@ -550,6 +801,10 @@ mx::array attention_rows(const mx::array& q, const std::vector<mx::array>& kv, s
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
 void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
+  m.def("set_row_blocks", [](bool on, bool wide) { qattn::row_blocks = on, qattn::row_blocks_wide = wide; }, "on"_a,
+        "wide"_a = true,
+        "attention_rows: rows sharing a whole key tile blocked (default) or each row alone; wide: the blocks and "
+        "the unpacking of quantized tiles on 16-lane registers where the CPU has AVX-512 (tests compare the forms)");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
   m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
