@@ -54,7 +54,7 @@ from .skinny_gemm import _cache_dir, _cpu_has_avx2_fma
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "quantized_attention.cpp", NATIVE / "gated_delta.cpp",
-           NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc",
+           NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc", NATIVE / "qmm_group.inc",
            NATIVE / "CMakeLists.txt")
 MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)
