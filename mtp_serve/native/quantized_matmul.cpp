@@ -880,6 +880,7 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("pair_rows", [] { return vnni::pair_min_rows; });
   m.def("set_int8_group", [](bool on) { int8_group = on; }, "on"_a);
   m.def("int8_group", [] { return int8_group; });
+  m.def("set_group_mutation", [](bool on) { group_mutation = on; }, "on"_a);
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
