@@ -64,6 +64,18 @@ def exact():
 
 
 @contextmanager
+def x_block(values):
+    """The group form's values of x per int8 scale (32, or 0: W's group size)."""
+    ext = qmm_ext.load()
+    before = ext.x_block()
+    ext.set_x_block(values)
+    try:
+        yield
+    finally:
+        ext.set_x_block(before)
+
+
+@contextmanager
 def int8_form(group):
     """int8 numerics on the group form (x rounded per group of W) or the block form (per 32 values)."""
     ext = qmm_ext.load()
@@ -77,10 +89,12 @@ def int8_form(group):
 
 def int8_reference(x, w, s, b, gs, bits):
     """The int8 scheme in numpy, float64 after the integer sums: x [M, K] -> [M, N]. x is rounded per
-    block of `gs` values on the group form (the default), of 32 on the block form."""
+    block of 32 values (the group form's default and the block form), or of `gs` (the group form with
+    set_x_block(0))."""
     x = np.array(x.astype(mx.float32), dtype=np.float32)
     M, K = x.shape
-    blk = gs if qmm_ext.load().int8_group() else 32
+    ext = qmm_ext.load()
+    blk = (min(ext.x_block(), gs) if ext.x_block() > 0 else gs) if ext.int8_group() else 32
     q = np.array(mx.dequantize(w, mx.ones(s.shape), mx.zeros(b.shape), group_size=gs, bits=bits)).astype(np.int64)
     blocks = x.reshape(M, K // blk, blk)
     amax = np.abs(blocks).max(-1, keepdims=True)
@@ -129,11 +143,11 @@ def test_kernel_matches_mlx(bits, gs, exact):
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-@pytest.mark.parametrize("group", [True, False], ids=["group-form", "block-form"])
-def test_int8_numerics_match_their_reference(bits, gs, group):
+@pytest.mark.parametrize("form", ["group", "group-x-per-group", "block"])
+def test_int8_numerics_match_their_reference(bits, gs, form):
     mx.random.seed(7 * bits + gs)
     worst = 0.0
-    with numerics("int8"), int8_form(group):
+    with numerics("int8"), int8_form(form != "block"), x_block(0 if form == "group-x-per-group" else 32):
         for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
             N, K = [(72, 256), (133, 512), (40, 384)][i]
             w, s, b = _quantized(N, K, bits, gs, dtype, seed=i)
@@ -321,7 +335,8 @@ def _group_form_windows(bits, gs, dtype, seed):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2"])
-def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni):
+@pytest.mark.parametrize("xblk", [32, 0], ids=["x-per-32", "x-per-group"])
+def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni, xblk):
     """int8 numerics on the group form (the default), on AVX-512 VNNI and on AVX2: every row of a window
     of 1-64 rows equals the row alone bit for bit, for every scale dtype, across blocks of W's rows and
     panels of K, dense and gathered; the row alone agrees with the scheme's reference."""
@@ -331,7 +346,7 @@ def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni):
     before = ext.vnni()
     try:
         ext.set_vnni(vnni)
-        with numerics("int8"), int8_form(True):
+        with numerics("int8"), int8_form(True), x_block(xblk):
             for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
                 alone, windows = _group_form_windows(bits, gs, dtype, seed=gs + i)
                 for M, together in windows:
