@@ -881,7 +881,10 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("set_int8_group", [](bool on) { int8_group = on; }, "on"_a);
   m.def("int8_group", [] { return int8_group; });
   m.def("set_group_mutation", [](bool on) { group_mutation = on; }, "on"_a);
-  m.def("set_x_block", [](int n) { x_block = n; }, "values"_a);
+  m.def("set_x_block", [](int n) {
+    if (n != 0 && n != 32 && n != 64 && n != 128) throw std::invalid_argument("mtp qmm: x_block must be 0, 32, 64 or 128");
+    x_block = n;
+  }, "values"_a);
   m.def("x_block", [] { return x_block; });
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
