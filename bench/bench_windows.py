@@ -1,7 +1,7 @@
 """Verify windows of T tokens in plain steps, and the products' rate against the machine's peak.
 
     python bench/bench_windows.py [--shapes 0.8b 2b 4b a3b] [--bodies fp32 8 4] [--windows 1 2 4 8 16 32]
-                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before]
+                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before|block]
 
 Random-weight models with Qwen3.5's layer shapes and real vocabulary (bench_acceptance_speed's
 SHAPES; the A3B expert layout of bench_quantized, quantized bodies only), an fp32 body or one
@@ -16,7 +16,8 @@ server's start-up calibration chooses them. Per (shape, body, context):
 - the weight bytes a plain step reads over its time, against the stream bandwidth (an fp32 matvec
   over 512 MB), measured in the same run.
 With `--forms now before`, each measurement also runs on the kernels' earlier forms (fp32 windows
-of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ratio is printed.
+of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ratio is printed;
+`--forms now block`: int8 quantized products on the block form (x rounded per 32 values) instead.
 """
 
 from __future__ import annotations
@@ -63,13 +64,17 @@ def peak_fma_per_s(seconds: float = 0.3) -> float:
 
 def use_forms(form: str) -> None:
     """"now": the kernels as they run; "before": fp32 products of more than 8 rows on OpenBLAS and
-    none on the AVX-512 forms (fp32 or quantized): how verify windows ran before those forms."""
+    none on the AVX-512 forms (fp32 or quantized): how verify windows ran before those forms;
+    "block": as now, but int8 quantized products on the block form (x rounded per 32 values, the
+    pair form from 4 rows) instead of the group form."""
     before = form == "before"
     skinny_gemm.set_max_rows(8 if before else 64)
     skinny_gemm.set_wide_rows(0 if before else 2)
     ext = qmm_ext.load()
     if ext is not None and hasattr(ext, "set_pair_rows"):
         ext.set_pair_rows(0 if before else 4)
+    if ext is not None and hasattr(ext, "set_int8_group"):
+        ext.set_int8_group(form == "now")
 
 
 def build(shape: str, body: str):
@@ -149,17 +154,19 @@ def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
     print(f"[{shape} {body}] built and calibrated in {pc() - t0:.0f}s (skinny sgemm on: {skinny_gemm.enabled()})",
           flush=True)
     for ctx in args.contexts:
-        costs = {}
+        costs, steps = {}, {}
         for form, med in window_seconds(model, ctx or PROMPT_AT_ZERO, args.forms, args.windows, args.reps).items():
-            step = med["plain"]
+            step = steps[form] = med["plain"]
             costs[form] = {T: med[T] / step for T in args.windows}
             wins = "  ".join(f"T={T}: {c:5.2f}" for T, c in costs[form].items())
             print(f"  context {ctx:>6}, {form:>6} kernels: plain step {1e3 * step:7.1f} ms "
                   f"({bytes_per_step(model, text) / step / 1e9:5.1f} GB/s, stream {bandwidth / 1e9:.1f})   "
                   f"window in plain steps  {wins}", flush=True)
         if len(costs) == 2:
-            print(f"  context {ctx:>6}, now / before: "
-                  + "  ".join(f"T={T}: {costs['now'][T] / costs['before'][T]:5.2f}" for T in args.windows), flush=True)
+            a, b = args.forms
+            print(f"  context {ctx:>6}, {a} / {b}: "
+                  + "  ".join(f"T={T}: {costs[a][T] / costs[b][T]:5.2f}" for T in args.windows), flush=True)
+            print(f"  context {ctx:>6}, plain step {a} / {b}: {steps[a] / steps[b]:5.2f}", flush=True)
     for form in args.forms:
         use_forms(form)
         rates = mlp_rate(model, args.windows)
@@ -178,8 +185,8 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--contexts", nargs="+", type=int, default=[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before"],
-                    help="before: windows on the kernels' earlier forms too, side by side (use_forms)")
+    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block"],
+                    help="before / block: windows on the kernels' earlier forms too, side by side (use_forms)")
     args = ap.parse_args()
     load = os.getloadavg()
     bandwidth = stream_bandwidth()

@@ -13,9 +13,10 @@ without cmake/g++/nanobind, off the CPU device, or with MTP_SERVE_NO_QMM=1;
 
 Two numerics (`set_numerics`, `--quantized-matmul` on mtp-serve and mtp-tune, or
 MTP_SERVE_QUANTIZED_MATMUL): "exact" computes the dequantized product in fp32
-(MLX's product up to summation order); "int8" quantizes each row of x by blocks
-of 32 to int8 and sums in integers (llama.cpp's Q8_0 scheme; 4 and 8 bits, 2 bits
-stay exact), cheaper per row but x loses precision. Both give each row the same
+(MLX's product up to summation order); "int8" quantizes each row of x per
+quantization group of W to int8 and sums each group in integers (4 and 8 bits, 2 bits
+stay exact; the extension's set_int8_group(False) keeps the earlier form, per 32 values
+like llama.cpp's Q8_0, for benchmarks), cheaper per row but x loses precision. Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 
@@ -54,7 +55,7 @@ from .skinny_gemm import _cache_dir, _cpu_has_avx2_fma
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "quantized_attention.cpp", NATIVE / "gated_delta.cpp",
-           NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc",
+           NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc", NATIVE / "qmm_group.inc",
            NATIVE / "CMakeLists.txt")
 MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)

@@ -6,7 +6,8 @@ Tolerances:
   q * x per chunk and scales per chunk, then adds bias * sum(x)), so they agree to
   a few fp32 ulps of the row's magnitude: max |ours - mlx| <= 2e-5 * max |mlx|.
 - int8 numerics against a numpy float64 reference of the same scheme (x rounded
-  per 32 values to d * int8 exactly as the kernel does, integer sums, then
+  per quantization group of W (the group form, the default; the block form: per 32
+  values) to d * int8 exactly as the kernel does, integer sums, then
   s * d * sum(q * xq) + bias * sum(d * xq)): only the float summation order
   differs, max error <= 1e-5 * max |ref|. Against MLX's exact product the int8
   rounding of x shows: <= 2e-2 * max |mlx| on N(0, 1) inputs.
@@ -62,19 +63,47 @@ def exact():
         yield
 
 
+@contextmanager
+def x_block(values):
+    """The group form's values of x per int8 scale (32, or 0: W's group size)."""
+    ext = qmm_ext.load()
+    before = ext.x_block()
+    ext.set_x_block(values)
+    try:
+        yield
+    finally:
+        ext.set_x_block(before)
+
+
+@contextmanager
+def int8_form(group):
+    """int8 numerics on the group form (x rounded per group of W) or the block form (per 32 values)."""
+    ext = qmm_ext.load()
+    before = ext.int8_group()
+    ext.set_int8_group(group)
+    try:
+        yield
+    finally:
+        ext.set_int8_group(before)
+
+
 def int8_reference(x, w, s, b, gs, bits):
-    """The int8 scheme in numpy, float64 after the integer sums: x [M, K] -> [M, N]."""
+    """The int8 scheme in numpy, float64 after the integer sums: x [M, K] -> [M, N]. x is rounded per
+    block of 32 values (the group form's default and the block form), or of `gs` (the group form with
+    set_x_block(0))."""
     x = np.array(x.astype(mx.float32), dtype=np.float32)
     M, K = x.shape
+    ext = qmm_ext.load()
+    blk = (min(ext.x_block(), gs) if ext.x_block() > 0 else gs) if ext.int8_group() else 32
     q = np.array(mx.dequantize(w, mx.ones(s.shape), mx.zeros(b.shape), group_size=gs, bits=bits)).astype(np.int64)
-    blocks = x.reshape(M, K // 32, 32)
+    blocks = x.reshape(M, K // blk, blk)
     amax = np.abs(blocks).max(-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     xq = np.rint(blocks * inv).astype(np.int64)  # float32 product, round half to even: as the kernel
     d = (amax / np.float32(127))[..., 0].astype(np.float64)
-    isum = np.einsum("mbk,nbk->mnb", xq, q.reshape(-1, K // 32, 32)).astype(np.float64)
-    scale = np.repeat(np.array(s.astype(mx.float32), dtype=np.float64), gs // 32, axis=1)
-    xsum = (xq.sum(-1) * d).reshape(M, K // gs, gs // 32).sum(-1)  # sums of the rounded x
+    isum = np.einsum("mbk,nbk->mnb", xq, q.reshape(-1, K // blk, blk)).astype(np.float64)
+    scale = np.repeat(np.array(s.astype(mx.float32), dtype=np.float64), gs // blk, axis=1)
+    xsum = (xq.sum(-1) * d).reshape(M, K // gs, gs // blk).sum(-1)  # sums of the rounded x
     return np.einsum("mnb,nb,mb->mn", isum, scale, d) + xsum @ np.array(b.astype(mx.float32), dtype=np.float64).T
 
 
@@ -114,10 +143,11 @@ def test_kernel_matches_mlx(bits, gs, exact):
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_int8_numerics_match_their_reference(bits, gs):
+@pytest.mark.parametrize("form", ["group", "group-x-per-group", "block"])
+def test_int8_numerics_match_their_reference(bits, gs, form):
     mx.random.seed(7 * bits + gs)
     worst = 0.0
-    with numerics("int8"):
+    with numerics("int8"), int8_form(form != "block"), x_block(0 if form == "group-x-per-group" else 32):
         for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
             N, K = [(72, 256), (133, 512), (40, 384)][i]
             w, s, b = _quantized(N, K, bits, gs, dtype, seed=i)
@@ -264,10 +294,10 @@ def pair_rows(rows):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_windows_of_up_to_64_rows_keep_each_rows_bits_on_the_pair_form(bits, gs):
-    """int8 numerics, verify windows of 1-64 rows on the pair form (two rows a 512-bit register, W
-    unpacked once for 8 rows): every row equals, bit for bit, the row alone and the 256-bit form's
-    result, for every scale dtype, dense and gathered."""
-    with numerics("int8"):
+    """int8 numerics on the block form, verify windows of 1-64 rows on the pair form (two rows a 512-bit
+    register, W unpacked once for 8 rows): every row equals, bit for bit, the row alone and the 256-bit
+    form's result, for every scale dtype, dense and gathered."""
+    with numerics("int8"), int8_form(False):
         for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
             w, s, b = _quantized(37 + 8 * i, 512, bits, gs, dtype, seed=gs + i)
             x = mx.random.normal((64, 512), key=mx.random.key(i)) * 3
@@ -289,6 +319,72 @@ def test_windows_of_up_to_64_rows_keep_each_rows_bits_on_the_pair_form(bits, gs)
             mx.eval(ref)
         with pair_rows(2):
             assert mx.array_equal(qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits), ref).item()
+
+
+def _group_form_windows(bits, gs, dtype, seed):
+    """(rows alone, [(M, window of M rows)] for M = 1..64) on the group form: W of 37 rows (two blocks of
+    16 and a partial one) and K = 1536 (a full panel of 1024 and a partial one)."""
+    w, s, b = _quantized(37, 1536, bits, gs, dtype, seed=seed)
+    x = mx.random.normal((64, 1536), key=mx.random.key(seed)) * 3
+    alone = mx.concatenate([qmm_ext.qmm(x[m:m + 1], w, s, b, gs, bits) for m in range(64)])
+    mx.eval(alone)
+    return alone, [(M, qmm_ext.qmm(x[:M], w, s, b, gs, bits)) for M in range(1, 65)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2"])
+@pytest.mark.parametrize("xblk", [32, 0], ids=["x-per-32", "x-per-group"])
+def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni, xblk):
+    """int8 numerics on the group form (the default), on AVX-512 VNNI and on AVX2: every row of a window
+    of 1-64 rows equals the row alone bit for bit, for every scale dtype, across blocks of W's rows and
+    panels of K, dense and gathered; the row alone agrees with the scheme's reference."""
+    ext = qmm_ext.load()
+    if vnni and not ext.vnni_supported():
+        pytest.skip("no AVX-512 VNNI here")
+    before = ext.vnni()
+    try:
+        ext.set_vnni(vnni)
+        with numerics("int8"), int8_form(True), x_block(xblk):
+            for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+                alone, windows = _group_form_windows(bits, gs, dtype, seed=gs + i)
+                for M, together in windows:
+                    assert mx.array_equal(together, alone[:M]).item(), f"{dtype} M={M}"
+            w, s, b = _quantized(37, 1536, bits, gs, mx.float32, seed=1)
+            x = mx.random.normal((5, 1536))
+            _close_int8(qmm_ext.qmm(x, w, s, b, gs, bits), x, w, s, b, gs, bits)
+            E, N, K = 4, 48, 256  # gathered: 40 (token, expert) rows, 2-17 an expert
+            w, s, b = _quantized(N, K, bits, gs, mx.bfloat16, seed=9, experts=E)
+            xs = mx.random.normal((20, 2, K))
+            ids = mx.array([0, 1, 1, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 3, 3, 3, 3, 1], dtype=mx.uint32)
+            together = qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits)
+            for p in range(20):
+                e = ids[p].item()
+                assert mx.array_equal(together[p], qmm_ext.qmm(xs[p], w[e], s[e], b[e], gs, bits)).item(), p
+    finally:
+        ext.set_vnni(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2"])
+def test_group_form_row_check_catches_a_window_that_sums_in_another_order(vnni):
+    """Negative control: with the kernel mutated to add a window's bias term before its scaled sums (rows
+    of several-row blocks only), the windows check above finds rows whose bits differ from the row alone."""
+    ext = qmm_ext.load()
+    if vnni and not ext.vnni_supported():
+        pytest.skip("no AVX-512 VNNI here")
+    before = ext.vnni()
+    try:
+        ext.set_vnni(vnni)
+        ext.set_group_mutation(True)
+        with numerics("int8"), int8_form(True):
+            alone, windows = _group_form_windows(4, 64, mx.bfloat16, seed=2)
+            differ = [M for M, together in windows if not mx.array_equal(together, alone[:M]).item()]
+        assert differ and 1 not in differ, differ
+    finally:
+        ext.set_group_mutation(False)
+        ext.set_vnni(before)
 
 
 @needs_kernel

@@ -502,6 +502,12 @@ SpanFn pick_pairs(int bits, int st, int gs) { return bits == 4 ? pick_pairs_st<4
 #pragma GCC pop_options
 #undef QMM_INT8_VNNI
 
+#include "qmm_group.inc"
+
+// The int8 numerics' form: per group of W (qmm_group.inc, the default) or per block of 32 (the
+// forms above; benchmarks compare).
+bool int8_group = true;
+
 bool vnni_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
@@ -627,12 +633,19 @@ void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool i
   const auto t0 = std::chrono::steady_clock::now();
   Prep prep;
   PrepI8 prep8;
+  PrepG prepg;
   int8 = int8 && (bits == 4 || bits == 8);  // 2 bits: the exact kernel
-  const bool vnni = int8 && vnni_on;
-  if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
+  const bool vnni = int8 && vnni_on, group = int8 && int8_group;
+  if (group) prepg.build(x, xrows, K, gs, bits, !vnni && bits == 8);
+  else if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = !int8 ? pick(bits, st, gs) : vnni ? vnni::pick_pairs(bits, st, gs) : avx2::pick_int(bits, st, gs);
-  const void* pp = int8 ? static_cast<const void*>(&prep8) : static_cast<const void*>(&prep);
+  const SpanFn fn = group  ? pick_group(bits, st, vnni)
+                    : !int8 ? pick(bits, st, gs)
+                    : vnni  ? vnni::pick_pairs(bits, st, gs)
+                            : avx2::pick_int(bits, st, gs);
+  const void* pp = group  ? static_cast<const void*>(&prepg)
+                   : int8 ? static_cast<const void*>(&prep8)
+                          : static_cast<const void*>(&prep);
   long units = 0;
   for (const auto& sg : segs) units += sg.N;
   auto part = [&](int p, int parts) {
@@ -865,6 +878,14 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("vnni", [] { return vnni_on; });
   m.def("set_pair_rows", [](int rows) { vnni::pair_min_rows = std::max(0, rows); }, "rows"_a);
   m.def("pair_rows", [] { return vnni::pair_min_rows; });
+  m.def("set_int8_group", [](bool on) { int8_group = on; }, "on"_a);
+  m.def("int8_group", [] { return int8_group; });
+  m.def("set_group_mutation", [](bool on) { group_mutation = on; }, "on"_a);
+  m.def("set_x_block", [](int n) {
+    if (n != 0 && n != 32 && n != 64 && n != 128) throw std::invalid_argument("mtp qmm: x_block must be 0, 32, 64 or 128");
+    x_block = n;
+  }, "values"_a);
+  m.def("x_block", [] { return x_block; });
   m.def("set_thread_min", [](long n) { thread_min = n; });
   m.def("calls", [] { return calls.load(); });
   m.def("seconds", [] { return busy_ns.load() * 1e-9; });
