@@ -13,10 +13,11 @@ without cmake/g++/nanobind, off the CPU device, or with MTP_SERVE_NO_QMM=1;
 
 Two numerics (`set_numerics`, `--quantized-matmul` on mtp-serve and mtp-tune, or
 MTP_SERVE_QUANTIZED_MATMUL): "exact" computes the dequantized product in fp32
-(MLX's product up to summation order); "int8" quantizes each row of x per
-quantization group of W to int8 and sums each group in integers (4 and 8 bits, 2 bits
-stay exact; the extension's set_int8_group(False) keeps the earlier form, per 32 values
-like llama.cpp's Q8_0, for benchmarks), cheaper per row but x loses precision. Both give each row the same
+(MLX's product up to summation order); "int8" quantizes each row of x to int8 per 32
+values (llama.cpp's Q8_0 scheme) and sums in integers, W's rows in vector lanes and each
+block of W unpacked once for every row of x (4 and 8 bits, 2 bits stay exact; the
+extension's set_int8_group(False) keeps the earlier per-row form for benchmarks),
+cheaper per row but x loses precision. Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 

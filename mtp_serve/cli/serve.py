@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="with --kv-bits: values per scale and bias along the head dimension")
     p.add_argument("--quantized-matmul", choices=("exact", "int8"),
-                   help="numerics of quantized models' decode matmuls: int8 (each row of x as int8 per quantization group, "
+                   help="numerics of quantized models' decode matmuls: int8 (each row of x as int8 per 32 values, "
                    "integer sums: faster; the default where every other decode product is row-invariant, i.e. with "
                    "mtp-serve's sgemm shim or without OpenBLAS, so greedy MTP stays token-identical to plain) or exact "
                    "(fp32, MLX's product up to rounding; the default otherwise)")
