@@ -16,7 +16,8 @@ the copy index and the commits are the server's own; which drafts are accepted i
 trace (a benchmark-only wrapper around the round's accept step: a draft lands while it equals the
 trace, and the trace's next token is emitted), and the head's drafts become the trace's tokens with
 probability 0.8 (bench_acceptance_speed's oracle), as in bench_quantized. The context is prefilled
-once per (model, trace, length) and restored from a prompt cache for each mode.
+once per (model, length) (every trace's context is the same files) and restored from a prompt
+cache for each trace and mode.
 
 Modes: plain, MTP alone, copy alone, all sources, and all sources choosing by expected tokens
 ("by tokens": a row copies its whole match where that is expected to emit more tokens than the
@@ -215,10 +216,10 @@ def main() -> None:
     for name in args.models:
         lm, encode = load(name)
         for ctx in args.contexts:
+            cache = PromptCache(max_bytes=8 << 30)
             for kind in args.traces:
                 context, reply = build_trace(kind, encode, ctx, random.Random(ctx))
                 reply = reply[: args.tokens]
-                cache = PromptCache(max_bytes=8 << 30)
                 t0 = pc()
                 replay_with = lambda mode: replay(lm, cache, context, reply, mode)  # noqa: E731
                 replay_with("plain")  # prefill once (stored), trace the shapes
