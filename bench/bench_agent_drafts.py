@@ -233,8 +233,8 @@ def main() -> None:
                             best[mode] = got
                 a = best["all"]
                 row = dict(model=name, context=ctx, trace=kind, **{m: best[m]["tok_s"] for m in MODES},
-                           per_round=a["per_round"], share_copy=a["copy"] / a["emitted"], share_mtp=a["mtp"] / a["emitted"],
-                           per_round_bt=best["by_tokens"]["per_round"])
+                           per_round=a["per_round"], share_copy=a["copy"] / a["emitted"],
+                           share_mtp=a["mtp"] / a["emitted"], per_round_bt=best["by_tokens"]["per_round"])
                 rows.append(row)
                 print(f"[{name} {ctx} {kind}] plain {row['plain']:.2f} tok/s | mtp {row['mtp'] / row['plain']:.2f}x | "
                       f"copy {row['copy'] / row['plain']:.2f}x | all {row['all'] / row['plain']:.2f}x "

@@ -226,7 +226,8 @@ class DepthPolicy:
             expected += term  # E_copy(L) = 1 + c + ... + c^L
             t = self.window_seconds(bucket, L + 1)
             if t is None or head is None:
-                return available if seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth) else 0
+                more = seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth)
+                return available if more else 0
             if L >= MIN_COPY and expected / t > rate:
                 best, rate = L, expected / t
         return best
