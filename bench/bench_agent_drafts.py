@@ -16,7 +16,13 @@ the copy index and the commits are the server's own; which drafts are accepted i
 trace (a benchmark-only wrapper around the round's accept step: a draft lands while it equals the
 trace, and the trace's next token is emitted), and the head's drafts become the trace's tokens with
 probability 0.8 (bench_acceptance_speed's oracle), as in bench_quantized. The context is prefilled
-once per (model, trace, length) and restored from a prompt cache for each mode.
+once per (model, length) (every trace's context is the same files) and restored from a prompt
+cache for each trace and mode.
+
+Modes: plain, MTP alone, copy alone, all sources, and all sources choosing by expected tokens
+("by tokens": a row copies its whole match where that is expected to emit more tokens than the
+head, without the measured window costs; a copy round slower than the head's rate halves its
+length) to show what choosing by tokens per second buys.
 
 Columns: decode tokens/s per mode (after the first token), each mode's ratio to plain and
 to MTP alone, tokens per round with all sources, and the share of emitted tokens each source
@@ -38,13 +44,14 @@ import mlx.core as mx
 import mtp_serve.engine.speculative as speculative
 from bench_acceptance_speed import SHAPES, Tok, oracle_drafts
 from cost_model import QWEN35_VOCAB, random_mtp_model
-from mtp_serve.engine.policy import DepthPolicy
+from mtp_serve.engine.context_drafts import MIN_COPY
+from mtp_serve.engine.policy import DepthPolicy, round_bucket
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.engine.speculative import Accepted
 
-MODES = ("plain", "mtp", "copy", "all")
+MODES = ("plain", "mtp", "copy", "all", "by_tokens")
 DEPTH = 3
 ACCEPTANCE = 0.8
 
@@ -106,6 +113,26 @@ def build_trace(kind: str, encode, context_tokens: int, rng: random.Random) -> t
 # ---------------------------------------------------------------- teacher-forced replay
 
 
+class ByTokens(DepthPolicy):
+    """The copy choice without window costs: the whole match where its expected tokens exceed
+    the head's at the chosen depth; a copy round slower than the head's best rate halves the length."""
+
+    def copy_length(self, seq, order, available, depth, bucket):
+        if available < MIN_COPY:
+            return 0
+        return available if seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth) else 0
+
+    def observe_copies(self, rows, lengths, depths, seconds):
+        bucket = round_bucket(rows)
+        for s, n in zip(rows, lengths):
+            landed = s.stats.copy_accepted - getattr(s, "_landed", 0)
+            s._landed = s.stats.copy_accepted
+            rates = [self.expected_tokens(s, K) / t for (b, c, K), t in self.round_time.items()
+                     if (b, c) == bucket and K <= self.request_cap(s)]
+            if n and rates and (landed + 1) / seconds < max(rates):
+                s.copy_cap.limit = max(MIN_COPY, min(s.copy_cap.limit, n) // 2)
+
+
 @contextmanager
 def forced_by(traces: dict):
     """The round's accept step follows each row's trace (`traces[key]`: its whole reply)."""
@@ -134,9 +161,10 @@ def forced_by(traces: dict):
 def replay(lm, cache, context, reply, mode: str) -> dict:
     """One teacher-forced decode of `reply` after `context`; the head's drafts at oracle acceptance."""
     depth = 0 if mode == "plain" else DEPTH
-    policy = DepthPolicy(max_depth=DEPTH if mode in ("mtp", "all") else 0, fixed=True)
+    policy = (ByTokens if mode == "by_tokens" else DepthPolicy)(max_depth=0 if mode in ("plain", "copy") else DEPTH,
+                                                                 fixed=True)
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=1024, prompt_cache=cache, policy=policy,
-                      copy_max=32 if mode in ("copy", "all") else 0)
+                      copy_max=0 if mode in ("plain", "mtp") else 32)
     # A snapshot one token short of the context: every later replay restores it and prefills one token.
     sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth, (len(context) - 1,))
     trace: list = []  # the prefill's token (the model's own), then the reply
@@ -188,10 +216,10 @@ def main() -> None:
     for name in args.models:
         lm, encode = load(name)
         for ctx in args.contexts:
+            cache = PromptCache(max_bytes=8 << 30)
             for kind in args.traces:
                 context, reply = build_trace(kind, encode, ctx, random.Random(ctx))
                 reply = reply[: args.tokens]
-                cache = PromptCache(max_bytes=8 << 30)
                 t0 = pc()
                 replay_with = lambda mode: replay(lm, cache, context, reply, mode)  # noqa: E731
                 replay_with("plain")  # prefill once (stored), trace the shapes
@@ -205,19 +233,24 @@ def main() -> None:
                             best[mode] = got
                 a = best["all"]
                 row = dict(model=name, context=ctx, trace=kind, **{m: best[m]["tok_s"] for m in MODES},
-                           per_round=a["per_round"], share_copy=a["copy"] / a["emitted"], share_mtp=a["mtp"] / a["emitted"])
+                           per_round=a["per_round"], share_copy=a["copy"] / a["emitted"],
+                           share_mtp=a["mtp"] / a["emitted"], per_round_bt=best["by_tokens"]["per_round"])
                 rows.append(row)
                 print(f"[{name} {ctx} {kind}] plain {row['plain']:.2f} tok/s | mtp {row['mtp'] / row['plain']:.2f}x | "
                       f"copy {row['copy'] / row['plain']:.2f}x | all {row['all'] / row['plain']:.2f}x "
-                      f"({row['all'] / row['mtp']:.2f}x mtp) | {row['per_round']:.2f} tokens/round, "
+                      f"({row['all'] / row['mtp']:.2f}x mtp) | by tokens {row['by_tokens'] / row['plain']:.2f}x "
+                      f"({row['by_tokens'] / row['mtp']:.2f}x mtp) | {row['per_round']:.2f} tokens/round "
+                      f"({row['per_round_bt']:.2f} by tokens), "
                       f"copied {row['share_copy']:.0%}, head {row['share_mtp']:.0%}", flush=True)
         del lm
         mx.clear_cache()
-    print("\n| model | context | trace | plain tok/s | MTP | copy | all | all / MTP | tokens/round | copied | head |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | context | trace | plain tok/s | MTP | copy | all | all / MTP | by tokens | by tokens / MTP "
+          "| tokens/round | copied | head |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['context']} | {r['trace']} | {r['plain']:.2f} | {r['mtp'] / r['plain']:.2f}x | "
               f"{r['copy'] / r['plain']:.2f}x | {r['all'] / r['plain']:.2f}x | {r['all'] / r['mtp']:.2f}x | "
+              f"{r['by_tokens'] / r['plain']:.2f}x | {r['by_tokens'] / r['mtp']:.2f}x | "
               f"{r['per_round']:.2f} | {r['share_copy']:.0%} | {r['share_mtp']:.0%} |")
 
 

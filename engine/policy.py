@@ -19,6 +19,15 @@ down, and re-probe now and then so they recover when their acceptance returns. E
 trusted (its first round, which pays for allocation and kernel tracing, is not
 counted), and a depth not chosen for a while is measured again.
 
+A row that could copy drafts from its context (engine/context_drafts.py) copies the
+length L that maximises its own tokens per second, E_copy(L) / w(B, C, L+1), where
+w is the measured time of a copy round whose window holds L+1 tokens (per window
+bucket 4, 8, 16, 32, 64), and only where that beats the head's rate at the depth
+chosen above (depth 0: plain decoding, so a copy never runs slower than plain).
+A window length not measured yet (or not for a while) is costed as the longest
+measured window no longer than it, copies' or the head's: an underestimate, so one
+round tries it and measures it.
+
 One policy serves one row and many: a single stream is a batch of one.
 """
 
@@ -50,6 +59,14 @@ def batch_bucket(b: int) -> int:
     return n
 
 
+def window_bucket(n: int) -> int:
+    """4, 8, 16, 32, 64, ...: verify windows of n tokens round up to a power of two (4 at least)."""
+    w = 4
+    while w < n:
+        w *= 2
+    return w
+
+
 def context_bucket(n: int) -> int:
     """1024, 2048, 4096, ...: the power of two n rounds down to (1024 at least)."""
     c = MIN_CONTEXT_BUCKET
@@ -75,6 +92,10 @@ class DepthPolicy:
     last_round: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # bucket round count when last run
     rounds: Dict[Bucket, int] = field(default_factory=dict)  # rounds per (batch, context) bucket
     prior: List[float] = field(default_factory=list)  # model-wide acceptance per position: new rows start here
+    copy_time: Dict[Tuple[int, int, int], float] = field(default_factory=dict)  # (batch, context, window bucket) -> s
+    copy_samples: Dict[Tuple[int, int, int], int] = field(default_factory=dict)
+    copy_last: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # `ticks` when last measured
+    ticks: int = 0  # rounds observed, of every kind
 
     def request_cap(self, seq: Sequence) -> int:
         """The most a request ever drafts per round: its own limit within the server's."""
@@ -148,6 +169,7 @@ class DepthPolicy:
     def observe(self, rows: List[Sequence], depths: List[int], accepted: List[int], seconds: Optional[float]) -> None:
         """Record a round: its wall time (None: not a sample of the head's window costs),
         and each row's drafts accepted."""
+        self.ticks += 1
         for s, d, m in zip(rows, depths, accepted):
             # A re-probe after an idle stretch counts for more: a row recovers in one round.
             weight = PROBE_WEIGHT if s.acceptance.idle_rounds >= ROW_REPROBE_EVERY else ROW_EMA
@@ -167,25 +189,64 @@ class DepthPolicy:
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self.last_round[key] = self.rounds[bucket]
 
-    def head_rate(self, seq: Sequence, bucket: Bucket) -> Optional[float]:
-        """The row's best expected tokens per second from the head at this batch size and context,
-        over the depths whose round time is measured (None before any is)."""
-        rates = [self.expected_tokens(seq, K) / self.round_time[(*bucket, K)]
-                 for K in range(self.request_cap(seq) + 1) if (*bucket, K) in self.round_time]
-        return max(rates) if rates else None
+    def head_round_rate(self, seq: Sequence, depth: int, bucket: Bucket) -> Optional[float]:
+        """Expected tokens per second of a round in which the row drafts `depth` from the head
+        (None while that round time is not measured)."""
+        t = self.round_time.get((*bucket, depth))
+        return None if t is None else self.expected_tokens(seq, depth) / t
 
-    def observe_copies(self, rows: List[Sequence], lengths: List[int], sources: List[str], accepted: List[int],
-                       seconds: float) -> None:
-        """A round with copies: a row whose copy emitted tokens more slowly than the head would
-        have halves its copy length (the window's cost on this machine decides how long pays)."""
-        bucket = round_bucket(rows)
-        for s, n, source, m in zip(rows, lengths, sources, accepted):
-            head = self.head_rate(s, bucket) if source == "copy" else None
-            if head is not None and (m + 1) / seconds < head:
-                s.copy_cap.limit = max(MIN_COPY, min(s.copy_cap.limit, n) // 2)
+    def window_seconds(self, bucket: Bucket, n: int) -> Optional[float]:
+        """Time of a round whose verify window holds n tokens: the measured copy-window cost of
+        its bucket where fresh, else the longest measured window no longer than it (copies'
+        or the head's K+1), else the shortest measured. None before any is measured."""
+        w = window_bucket(n)
+        fresh = {k[2]: t for k, t in self.copy_time.items()
+                 if k[:2] == bucket and self.ticks - self.copy_last[k] <= REPROBE_EVERY}
+        if w in fresh:
+            return fresh[w]
+        known = sorted([(m, t) for m, t in fresh.items()]
+                       + [(k[2] + 1, t) for k, t in self.round_time.items() if k[:2] == bucket])
+        if not known:
+            return None
+        below = [t for m, t in known if m <= n]
+        return below[-1] if below else known[0][1]
+
+    def copy_length(self, seq: Sequence, order: int, available: int, depth: int, bucket: Bucket) -> int:
+        """How many of `available` copied tokens (a match of `order`) the row drafts this round:
+        the length with the most expected tokens per second, if that beats the head's drafts
+        at `depth`; 0 where it does not (the head or plain decoding pays more). Before the
+        round times are measured: all of them, if they are expected to emit more tokens."""
+        if available < MIN_COPY:
+            return 0
+        c = seq.copy_cap.rates[order]
+        head = self.head_round_rate(seq, depth, bucket)
+        expected, term, best, rate = 1.0, 1.0, 0, head
+        for L in range(1, available + 1):
+            term *= c
+            expected += term  # E_copy(L) = 1 + c + ... + c^L
+            t = self.window_seconds(bucket, L + 1)
+            if t is None or head is None:
+                more = seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth)
+                return available if more else 0
+            if L >= MIN_COPY and expected / t > rate:
+                best, rate = L, expected / t
+        return best
+
+    def observe_copies(self, rows: List[Sequence], lengths: List[int], depths: List[int], seconds: float) -> None:
+        """A round with copied or forced drafts: its time is a sample of the cost of its window
+        (the longest chain, or the longest head draft, plus one), its first one not counted."""
+        key = (*round_bucket(rows), window_bucket(max(lengths + depths) + 1))
+        n = self.copy_samples.get(key, 0)
+        if n == 1 or (n > 1 and self.ticks - self.copy_last[key] > REPROBE_EVERY):  # first or stale: start over
+            self.copy_time[key] = seconds
+        elif n > 1:
+            self.copy_time[key] += COST_EMA * (seconds - self.copy_time[key])
+        self.copy_samples[key] = n + 1
+        self.copy_last[key] = self.ticks
 
     def summary(self) -> dict:
         return {
             "acceptance_per_position": [round(a, 3) for a in self.prior],
             "round_ms": {f"B{b}/C{c}/K{k}": round(t * 1e3, 2) for (b, c, k), t in sorted(self.round_time.items())},
+            "copy_round_ms": {f"B{b}/C{c}/W{w}": round(t * 1e3, 2) for (b, c, w), t in sorted(self.copy_time.items())},
         }

@@ -29,7 +29,7 @@ from mtp_serve.models.mlx_lm_compat import hf_tokenizer
 
 from .batch import Batch
 from .grammar import GrammarCompiler, GrammarError
-from .policy import DepthPolicy
+from .policy import Bucket, DepthPolicy, round_bucket
 from .prefill import prefill
 from .context_drafts import MAX_COPY, MIN_COPY
 from .prompt_cache import PromptCache
@@ -213,7 +213,7 @@ class Scheduler(SchedulerLike):
         # A round with certain drafts is no sample of the head's window costs (its window was longer).
         self.policy.observe(rows, depths, accepted.counts, elapsed if certain is None else None)
         if certain is not None:
-            self.policy.observe_copies(rows, [len(c) for c in certain.chains], certain.sources, accepted.counts, elapsed)
+            self.policy.observe_copies(rows, [len(c) for c in certain.chains], depths, elapsed)
         self.last_round = {s.key: (d, m if d else 0) for s, d, m in zip(rows, depths, accepted.counts)}
         self.last_certain = {s.key: len(c) for s, c in zip(rows, certain.chains) if c} if certain is not None else {}
         if any(s.finished or _grammar_failed(s) for s in rows):
@@ -254,28 +254,30 @@ class Scheduler(SchedulerLike):
 
     def _certain_drafts(self, rows: List[Sequence], depths: List[int]) -> Optional[CertainDrafts]:
         """Drafts that come with certainty, for rows that speculate: under a grammar, the
-        tokens it forces next; otherwise tokens copied from the row's context, where the copy
-        is expected to emit more than the head's drafts at the depth the policy chose (from the
-        row's record of copies at that match length). None when no row has any. Every row of
-        a batch verifies the longest chain's window, so a batch shares the copy length out."""
+        tokens it forces next; otherwise tokens copied from the row's context, at the length
+        and where the policy expects them to emit faster than the head's drafts at the depth
+        it chose. None when no row has any. Every row of a batch verifies the longest chain's
+        window, so a batch shares the copy length out."""
         chains, sources = [], []
         most = self.copy_max if len(rows) == 1 else max(2 * MIN_COPY, self.copy_max // len(rows))
+        bucket = round_bucket(rows)
         for s, depth in zip(rows, depths):
             chain, source = [], ""
             if s.max_depth > 0 and s.tokens_left > 1:
                 if s.grammar is not None:
                     chain, source = s.grammar.forced(min(self.copy_max or MAX_COPY, s.tokens_left - 1)), "forced"
                 elif s.params.copy_drafts and self.copy_max > 0:
-                    chain, source = self._copy(s, min(s.copy_cap.limit, most, s.tokens_left - 1), depth), "copy"
+                    chain, source = self._copy(s, min(s.copy_cap.limit, most, s.tokens_left - 1), depth, bucket), "copy"
             chains.append(chain)
             sources.append(source if chain else "")
         return CertainDrafts(chains, sources) if any(chains) else None
 
-    def _copy(self, s: Sequence, limit: int, depth: int) -> List[int]:
+    def _copy(self, s: Sequence, limit: int, depth: int, bucket: Bucket) -> List[int]:
         chain, order = s.context_index().match(limit) if limit >= MIN_COPY else ([], 0)
-        if len(chain) >= MIN_COPY and s.copy_cap.expected_tokens(order, len(chain)) > self.policy.expected_tokens(s, depth):
+        n = self.policy.copy_length(s, order, len(chain), depth, bucket) if chain else 0
+        if n:
             s.copy_order = order
-            return chain
+            return chain[:n]
         s.copy_cap.idle()
         return []
 

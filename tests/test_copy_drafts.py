@@ -197,6 +197,35 @@ def test_copies_off_per_request_and_per_scheduler(loaded):
     assert off.copy_drafted == 0 and none.copy_drafted == 0 and on.copy_drafted > 0
 
 
+def run_measured(lm, prompt, copy_ms: float):
+    """Tokens and stats of one greedy request whose policy has measured the head's depth-2
+    round at 10 ms and every copy window at `copy_ms` (later rounds keep measuring)."""
+    policy = DepthPolicy(max_depth=2, fixed=True)
+    for w in (4, 8, 16, 32, 64):
+        key = (1, 1024, w)
+        policy.copy_time[key], policy.copy_samples[key], policy.copy_last[key] = copy_ms / 1e3, 10, 0
+    policy.round_time[(1, 1024, 2)], policy.samples[(1, 1024, 2)] = 0.010, 10
+    sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=None, policy=policy, copy_max=32)
+    sched.add(0, prompt, SamplingParams(max_tokens=N, ignore_eos=True), 2)
+    out, stats = [], None
+    while sched.has_work():
+        for _, chunk in sched.step():
+            out += chunk.token_ids
+            stats = chunk.stats
+    return out, stats
+
+
+def test_copies_follow_the_measured_window_costs(loaded):
+    """The scheduler copies where copy windows measured fast against the head's round, and
+    leaves the same matches to the head where they measured slow; greedy output is plain's."""
+    lm = loaded("qwen3_5", agreeable=True)
+    prompt = copying_prompt(lm)
+    fast, fast_stats = run_measured(lm, prompt, 0.001)
+    slow, slow_stats = run_measured(lm, prompt, 10_000.0)
+    assert fast == slow == plain(lm, prompt)
+    assert fast_stats.copy_accepted > 0 and slow_stats.copy_drafted == 0 and sum(slow_stats.drafted) > 0
+
+
 N_SAMPLES = 800
 N_POS = 4
 

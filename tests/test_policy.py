@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 import mtp_serve.engine.speculative as speculative
-from mtp_serve.engine.policy import ROW_REPROBE_EVERY, DepthPolicy, context_bucket
+from mtp_serve.engine.context_drafts import CopyCap
+from mtp_serve.engine.policy import REPROBE_EVERY, ROW_REPROBE_EVERY, DepthPolicy, context_bucket, window_bucket
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
 from mtp_serve.engine.sequence import RowAcceptance
@@ -24,6 +25,7 @@ class Row:
     tokens_left: int = 1 << 20
     context_length: int = 100
     acceptance: RowAcceptance = field(default_factory=lambda: RowAcceptance([]))
+    copy_cap: CopyCap = field(default_factory=CopyCap)
 
 
 def simulate(policy, rows, acceptance, rounds, rng):
@@ -139,6 +141,65 @@ def test_a_batch_round_is_costed_at_its_longest_rows_context():
     rows = [Row(context_length=900), Row(context_length=20000)]
     policy.observe(rows, [2, 2], [0, 0], 0.5)
     assert set(policy.samples) == {(2, 16384, 2)}
+
+
+def measured(copy_ms: dict, head_ms=(10.0, 11.0, 13.0)):
+    """A policy and a row (batch 1, 1k context) after rounds of the head at K = 0, 1, 2 (every
+    draft landing) and copy rounds of window buckets `copy_ms` (each bucket's first round slow)."""
+    policy, row = DepthPolicy(max_depth=2), Row()
+    for K, ms in enumerate(head_ms):
+        for r in range(4):
+            policy.observe([row], [K], [K], ms * (50 if r == 0 else 1) / 1e3)
+    for w, ms in copy_ms.items():
+        for r in range(4):
+            policy.observe([row], [0], [0], None)
+            policy.observe_copies([row], [w - 1], [0], ms * (50 if r == 0 else 1) / 1e3)
+    row.acceptance = RowAcceptance([0.9, 0.9])  # the head emits 2.71 tokens a round at depth 2
+    return policy, row
+
+
+def test_copy_window_costs_are_measured_per_window_bucket():
+    policy, _ = measured({8: 30.0, 32: 90.0})
+    assert [window_bucket(n) for n in (1, 3, 4, 5, 9, 17, 33)] == [4, 4, 4, 8, 16, 32, 64]
+    assert policy.copy_time == pytest.approx({(1, 1024, 8): 0.030, (1, 1024, 32): 0.090})  # warm-up rounds not counted
+    # unmeasured windows: the longest measured one no longer than them (the head's K+1 = 3 below 4)
+    assert policy.window_seconds((1, 1024), 4) == pytest.approx(0.013)
+    assert policy.window_seconds((1, 1024), 5) == pytest.approx(0.030)
+    assert policy.window_seconds((1, 1024), 12) == pytest.approx(0.030)
+    assert policy.window_seconds((1, 1024), 40) == pytest.approx(0.090)
+
+
+def test_a_copy_length_measured_slower_than_the_head_is_not_chosen():
+    """Copies of a 16-token match (each lands with chance 0.95) emit more tokens than the head's
+    two drafts, but every copy window measured slower per token than the head's round: the head drafts."""
+    policy, row = measured({4: 20.0, 8: 40.0, 16: 60.0, 32: 100.0})
+    head = policy.head_round_rate(row, 2, (1, 1024))
+    assert head == pytest.approx(2.71 / 0.013)
+    assert row.copy_cap.expected_tokens(16, 20) > 3 * policy.expected_tokens(row, 2)
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 0
+
+
+def test_a_copy_length_measured_faster_than_the_head_is_chosen():
+    """The same, but windows of 9-16 tokens measured fast: the row copies 15 tokens (the longest
+    of that bucket), not the 20 available (a 32-token window is slower per token)."""
+    policy, row = measured({4: 20.0, 8: 40.0, 16: 25.0, 32: 100.0})
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 15
+    assert policy.copy_length(row, 16, 6, 2, (1, 1024)) == 0  # ... where no more than 6 are there to copy
+
+
+def test_copies_beat_plain_decoding_or_do_not_happen():
+    """A row at depth 0 (the head does not pay) copies only where the copy outruns plain steps."""
+    policy, row = measured({4: 40.0, 8: 80.0, 16: 100.0, 32: 320.0})
+    assert policy.copy_length(row, 3, 20, 0, (1, 1024)) == 0  # at most 2.2 tokens for 4 plain steps' time
+    assert policy.copy_length(row, 16, 20, 0, (1, 1024)) == 15  # 11.2 tokens for 10 plain steps' time
+
+
+def test_a_window_measured_slow_long_ago_is_tried_again():
+    policy, row = measured({4: 20.0, 8: 40.0, 16: 60.0, 32: 100.0})
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 0
+    for _ in range(REPROBE_EVERY + 1):
+        policy.observe([row], [2], [2], 0.013)
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 20  # costed as the head's window until measured again
 
 
 def test_cap_is_the_servers_depth_and_requests_lower_it():
