@@ -10,12 +10,8 @@ The checkpoint is the agreeable synthetic Qwen3.5 with a tiny vision tower
 [2, 1, 1] interleaved, so every position axis reaches the logits.
 """
 
-import io
-
 import mlx.core as mx
-import numpy as np
 import pytest
-from PIL import Image
 
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.grammar import Constraint
@@ -29,14 +25,8 @@ from mtp_serve.engine.sequence import new_sequence
 from mtp_serve.models.caches import FULL_KV
 from mtp_serve.models.fingerprint import weights_fingerprint
 from mtp_serve.models.loader import weight_files
-from mtp_serve.models.vision import prepare_image
 
-
-def png(seed: int, size=(64, 48)) -> bytes:
-    arr = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "PNG")
-    return buf.getvalue()
+from support.engine_images import assert_batched_rows_decode_as_alone, image_prompt, pictures_for, run
 
 
 @pytest.fixture(scope="module")
@@ -64,30 +54,9 @@ def counting(vlm):
     vlm.model.vision = original
 
 
-def image_prompt(lm, images, before=(10, 11, 12, 13, 14), between=(20, 21, 22), after=(30, 31, 32, 33)):
-    spec = lm.model.vision.spec
-    ids = list(before)
-    for i, im in enumerate(images):
-        if i:
-            ids += list(between)
-        ids += [spec.vision_start_token_id] + [spec.image_token_id] * im.n_tokens + [spec.vision_end_token_id]
-    return ids + list(after)
-
-
-def run(lm, prompt, images, depth, cache=None, max_tokens=24, params=None, checkpoints=()):
-    out, stats = [], None
-    params = params or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for chunk in generate(lm.model, lm.tokenizer, prompt, params, depth, cache, checkpoints=checkpoints, images=images):
-        out += chunk.token_ids
-        stats = chunk.stats
-    return out, stats
-
-
 @pytest.fixture(scope="module")
 def pictures(vlm):
-    spec = vlm.model.vision.spec
-    return {name: prepare_image(png(seed, size), spec) for name, seed, size in
-            [("a", 1, (64, 48)), ("b", 2, (64, 48)), ("c", 3, (40, 72))]}
+    return pictures_for(vlm)
 
 
 def first_logits(lm, prompt, images):
@@ -142,25 +111,7 @@ def test_mtp_identical_to_plain_with_images_moe(loaded, pictures, family):
 
 
 def test_batched_rows_with_and_without_images(vlm, pictures):
-    a, c = pictures["a"], pictures["c"]
-    prompts = {"a": (image_prompt(vlm, [a]), (a,)), "text": (list(range(40, 75)), ()),
-               "ac": (image_prompt(vlm, [a, c], before=(50, 51)), (a, c))}
-    single = {k: run(vlm, p, ims, 0, max_tokens=20)[0] for k, (p, ims) in prompts.items()}
-    arrivals = {"a": 0, "text": 1, "ac": 3}
-    sched = Scheduler(vlm.model, vlm.tokenizer, max_batch_size=8, prefill_chunk=8,
-                      policy=DepthPolicy(max_depth=3, fixed=True))
-    out = {k: [] for k in prompts}
-    step = 0
-    while step == 0 or sched.has_work() or any(t >= step for t in arrivals.values()):
-        for k, t in arrivals.items():
-            if t == step:
-                sched.add(k, prompts[k][0], SamplingParams(max_tokens=20, ignore_eos=True), 3, images=prompts[k][1])
-        for key, chunk in sched.step():
-            assert not isinstance(chunk, Exception), chunk
-            out[key] += chunk.token_ids
-        step += 1
-        assert step < 500
-    assert out == single
+    assert_batched_rows_decode_as_alone(vlm, pictures)
 
 
 def test_next_turn_reuses_the_image_without_encoding_it(vlm, pictures, counting, tmp_path):
