@@ -36,7 +36,7 @@ from mtp_serve.models.quantized_layers import (
     project,
 )
 from mtp_serve.testing.quantized import QUANT_TEXT, quantize_loaded, quantize_mlx_lm_model
-from mtp_serve.testing.synthetic import FAMILIES, MLX_LM_FAMILIES
+from mtp_serve.testing.synthetic import FAMILIES
 from support.greedy import batched_greedy, greedy
 from support.native import needs_qmm_kernel
 
@@ -64,27 +64,25 @@ def exact():
 
 
 @contextmanager
+def kernel_setting(name, value):
+    """The extension's setting `name` (its `name()` / `set_name(v)` pair) at `value` for the block."""
+    ext = qmm_ext.load()
+    before = getattr(ext, name)()
+    getattr(ext, "set_" + name)(value)
+    try:
+        yield
+    finally:
+        getattr(ext, "set_" + name)(before)
+
+
 def x_block(values):
     """The group form's values of x per int8 scale (32, or 0: W's group size)."""
-    ext = qmm_ext.load()
-    before = ext.x_block()
-    ext.set_x_block(values)
-    try:
-        yield
-    finally:
-        ext.set_x_block(before)
+    return kernel_setting("x_block", values)
 
 
-@contextmanager
 def int8_form(group):
-    """int8 numerics on the group form (x rounded per group of W) or the block form (per 32 values)."""
-    ext = qmm_ext.load()
-    before = ext.int8_group()
-    ext.set_int8_group(group)
-    try:
-        yield
-    finally:
-        ext.set_int8_group(before)
+    """int8 numerics on the group form (True) or the earlier block form (False)."""
+    return kernel_setting("int8_group", group)
 
 
 def int8_reference(x, w, s, b, gs, bits):
@@ -277,16 +275,9 @@ def test_vnni_and_avx2_forms_give_the_same_bits(bits):
         ext.set_vnni(before)
 
 
-@contextmanager
 def pair_rows(rows):
     """Products of at least `rows` rows on the AVX-512 pair form (0: never)."""
-    ext = qmm_ext.load()
-    before = ext.pair_rows()
-    ext.set_pair_rows(rows)
-    try:
-        yield
-    finally:
-        ext.set_pair_rows(before)
+    return kernel_setting("pair_rows", rows)
 
 
 @needs_kernel
