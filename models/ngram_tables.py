@@ -9,7 +9,7 @@ pages those rows lie on are read (by the OS, shared, and dropped under pressure)
 gathered rows are cast to the compute dtype as a loaded table would have been, so the
 numbers are those of the in-memory table bit for bit.
 
-Full-precision tables only (the raw Hugging Face shards, or an unquantized
+Full-precision tables only (the raw Hugging Face or mlx-community shards, or an unquantized
 `mtp-convert` output); a quantized table loads into memory as before.
 """
 

@@ -430,7 +430,7 @@ def test_a_4bit_mlx_community_body_with_a_grafted_head_gives_plain_greedy(checkp
         assert greedy(prompt, 1) == plain and greedy(prompt, 3) == plain
 
 
-def test_an_mlx_community_quantized_ngram_table_refuses_by_name(tmp_path):
+def test_an_mlx_community_quantized_ngram_table_or_non_affine_body_refuses_by_name(tmp_path):
     from mtp_serve.testing.mlx_community import write_mlx_community
 
     path = write_mlx_community(CKPT, tmp_path / "fp")
@@ -438,6 +438,11 @@ def test_an_mlx_community_quantized_ngram_table_refuses_by_name(tmp_path):
     weights["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.scales"] = mx.zeros((1024, 1))
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     with pytest.raises(CheckpointError, match="qwen4_exp: a quantized PLE n-gram table .*is not supported yet"):
+        load_model(str(path))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="qwen4_exp: 'mxfp4' quantization .*is not supported yet"):
         load_model(str(path))
 
 
