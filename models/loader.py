@@ -7,7 +7,8 @@ elsewhere or not at all are ignored), the backbone goes through mlx-lm's own
 `sanitize` and classes, and the head's tensors are renamed for `MTPHead` by
 `mtp_weights.py`, the one place that knows their quirks. Both raw Hugging
 Face layout and mlx-lm converted layout load. `qwen4_exp` (Qwen3.8-Flash-Next) has no
-mlx-lm model: its backbone is the project's own (`models/qwen4_exp.py`), raw HF layout only.
+mlx-lm release with it: its backbone is the project's own (`models/qwen4_exp.py`), loaded from the raw HF
+layout, `mtp-convert`'s, or the layout mlx-lm's main branch writes (mlx-community conversions).
 """
 
 from __future__ import annotations
@@ -227,6 +228,8 @@ def load_model(path_or_repo: str, *, enable_mtp: bool = True, dtype: Optional[st
     if config["model_type"] == "qwen4_exp":
         _map_ngram_tables(text, path, backbone_w)
         backbone_w = {k: v for k, v in backbone_w.items() if not is_vision_key(k)}  # the tower loads below
+        if quantization and quantization.get("mode", "affine") != "affine":
+            raise CheckpointError(f"{path}: {qwen4_exp.unsupported(repr(quantization['mode']) + ' quantization (affine only)')}")
         try:
             backbone_w = model.sanitize(backbone_w)
         except qwen4_exp.Unsupported as e:

@@ -9,7 +9,7 @@ pages those rows lie on are read (by the OS, shared, and dropped under pressure)
 gathered rows are cast to the compute dtype as a loaded table would have been, so the
 numbers are those of the in-memory table bit for bit.
 
-Full-precision tables only (the raw Hugging Face shards, or an unquantized
+Full-precision tables only (the raw Hugging Face or mlx-community shards, or an unquantized
 `mtp-convert` output); a quantized table loads into memory as before.
 """
 
@@ -28,6 +28,7 @@ import numpy as np
 # safetensors dtype -> (numpy dtype of the stored bits, MLX dtype they view as)
 _DTYPES = {"F32": (np.float32, mx.float32), "F16": (np.float16, mx.float16), "BF16": (np.uint16, mx.bfloat16)}
 _HF = re.compile(r"^model\.language_model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")
+_MLX_LM = re.compile(r"^model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")  # mlx-community
 _OWN = re.compile(r"^language_model\.model\.layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.weight$")
 
 
@@ -86,7 +87,7 @@ def mapped_tables(files: List[Path], weight_map: Optional[Dict[str, str]]) -> Di
         for name, info in header.items():
             if name == "__metadata__" or (weight_map is not None and weight_map.get(name) != f.name):
                 continue
-            m = _HF.match(name) or _OWN.match(name)
+            m = _HF.match(name) or _MLX_LM.match(name) or _OWN.match(name)
             if m is None:
                 if name.endswith(".ngram_embedding.scales"):
                     quantized.add(int(name.split(".layers.")[1].split(".")[0]))
@@ -99,7 +100,7 @@ def mapped_tables(files: List[Path], weight_map: Optional[Dict[str, str]]) -> Di
             shape = tuple(info["shape"])
             arr = np.memmap(f, dtype=np_dtype, mode="r", offset=start + a, shape=shape) if b > a else np.zeros(shape, np_dtype)
             _random_access(arr)
-            shard = int(m.group(2)) if m.re is _HF else 0
+            shard = int(m.group(2)) if m.re is not _OWN else 0
             parts.setdefault(int(m.group(1)), {})[shard] = (arr, mx_dtype, name)
     out = {}
     for layer, shards in parts.items():

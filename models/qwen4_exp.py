@@ -713,6 +713,8 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
         raise ValueError(f"{MODEL_TYPE}: the vision tower's tensors go to models/vision's loader, not the backbone")
     if weights and all(k.startswith("language_model.") for k in weights):
         return weights  # this module's own layout (`mtp-convert`'s output): already sanitized, maybe quantized
+    if is_mlx_lm_layout(weights):
+        return _from_mlx_lm(weights)
     if any(k.endswith((".scales", ".weight_scale_inv", ".weight_scale", ".qweight")) for k in weights):
         raise unsupported("a quantized Hugging Face body (convert the original with mtp-convert)")
     out: Dict[str, mx.array] = {}
@@ -752,6 +754,47 @@ def sanitize(weights: Dict[str, mx.array], args: Qwen4ExpArgs) -> Dict[str, mx.a
     for p, by_name in experts.items():
         for name, per in by_name.items():
             out[f"{p}.switch_mlp.{name}.weight"] = mx.stack([per[i] for i in sorted(per)])
+    return out
+
+
+# The n-gram hash's constants, which mlx-lm's model keeps as parameters (so saves); this module
+# derives them from the config.
+_NGRAM_BUFFERS = (".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
+
+
+def is_mlx_lm_layout(weights: Dict[str, mx.array]) -> bool:
+    """The layout mlx-lm's main-branch model writes (mlx-community conversions): the text model
+    under `model.*` (not `model.language_model.*`), top-level `lm_head`."""
+    return any(k.startswith(("model.layers.", "model.embed_tokens.")) for k in weights) and not any(
+        k.startswith(("model.language_model.", "language_model.")) for k in weights)
+
+
+def _from_mlx_lm(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """mlx-lm layout -> this module's names. Experts are already stacked (`switch_mlp`) and the
+    GatedDeltaNet conv is already [C, K, 1]; norms are stored zero-centred (mlx-lm applies 1 + w),
+    so they are shifted here; the PLE conv [C, K, 1] becomes [C, K]. Bodies quantized by mlx-lm
+    (affine, the router kept in full precision) keep their `.scales`/`.biases`."""
+    out: Dict[str, mx.array] = {}
+    shards: Dict[str, dict] = {}
+    for k, v in weights.items():
+        if k.endswith(_NGRAM_BUFFERS):
+            continue
+        if k.startswith("model."):
+            k = "language_model." + k
+        elif k.startswith("lm_head."):
+            k = "language_model." + k
+        if ".ngram_embedding.shard_" in k and not k.endswith(".weight"):
+            raise unsupported("a quantized PLE n-gram table (convert with the tables in full precision)")
+        if (m := _SHARD.match(k)):
+            shards.setdefault(m.group(1), {})[int(m.group(2))] = v
+            continue
+        if k.endswith(".ple.conv1d.weight"):
+            k, v = k[: -len("conv1d.weight")] + "conv_weight", v.reshape(v.shape[0], -1)
+        if _SHIFTED.search(k) and v.ndim == 1:
+            v = v.astype(mx.float32) + 1.0
+        out[k] = v
+    for p, parts in shards.items():
+        out[p + ".weight"] = mx.concatenate([parts[i] for i in sorted(parts)], axis=0)
     return out
 
 

@@ -372,3 +372,102 @@ def test_a_batch_runs_the_backbone_once_and_equals_its_rows_alone(lm):
         ref = model.make_cache()
         model.forward(mx.array([p + window[i, : kept[i]].tolist()]), ref)
         assert mx.allclose(after[i : i + 1], model.forward(nxt[i : i + 1], ref)[1], atol=1e-5), i
+
+
+# ---------------------------------------------------------------- the mlx-community layout
+
+
+def test_the_mlx_community_layout_loads_to_the_raw_hf_logits(tmp_path, golden, lm):
+    """A full-precision checkpoint in mlx-lm main's layout (`model.*`, zero-centred norms, stacked
+    experts, conv1d [C, K, 1], no head or tower) loads with its n-gram tables memory-mapped and
+    gives the raw HF checkpoint's logits exactly, prefill and step by step."""
+    from mtp_serve.testing.mlx_community import write_mlx_community
+
+    path = write_mlx_community(CKPT, tmp_path / "fp")
+    names = load_weights(path)
+    assert "model.layers.0.ple.conv1d.weight" in names and not any(k.startswith(("mtp.", "model.language_model.")) for k in names)
+    mc = load_model(str(path), dtype="float32")
+    assert mc.mtp_status.startswith("MTP off") and mc.model.vision is None
+    assert qwen4_exp.tables_mapped(mc.model.model.language_model.model)
+    tokens = mx.array(golden["a_tokens"])[None]
+    np.testing.assert_array_equal(np.array(mc.model.model(tokens)), np.array(lm.model.model(tokens)))
+    steps = []
+    for model in (mc.model.model, lm.model.model):
+        cache = model.make_cache()
+        steps.append(np.concatenate([np.array(model(tokens[:, i : i + 1], cache)[0]) for i in range(tokens.shape[1])]))
+    np.testing.assert_array_equal(steps[0], steps[1])
+    np.testing.assert_allclose(steps[0], golden["a_steps"], atol=ATOL, rtol=0)
+
+
+def test_a_4bit_mlx_community_body_with_a_grafted_head_gives_plain_greedy(checkpoint_dir, tmp_path):
+    """A 4-bit mlx-community conversion (mlx affine, the MoE router left in full precision) loads
+    quantized as stored; `mtp-graft` adds the head from the HF checkpoint, and greedy MTP then
+    gives plain decoding's tokens."""
+    import mlx.nn as nn
+
+    from mtp_serve.cli import graft
+    from mtp_serve.engine.generator import generate
+    from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.testing.mlx_community import write_mlx_community
+
+    src = checkpoint_dir("qwen4_exp", agreeable=True)
+    out = write_mlx_community(src, tmp_path / "q4", bits=4)
+    names = load_weights(out)
+    assert "model.layers.0.mlp.switch_mlp.gate_proj.scales" in names and "model.layers.0.mlp.gate.scales" not in names
+    layer = load_model(str(out)).model.model.layers[0]
+    assert "scales" in layer.mlp.switch_mlp.gate_proj and "scales" in layer.attn_hyper_connection.input_mix_weight_down
+    assert type(layer.mlp.gate) is nn.Linear
+    assert graft.main(["--from", str(src), "--into", str(out), "--no-verify"]) == 0
+    lm = load_model(str(out))
+    assert lm.mtp_status == "MTP on"
+
+    def greedy(prompt, depth):
+        return [t for c in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=32, ignore_eos=True),
+                                    depth=depth) for t in c.token_ids]
+
+    for prompt in ([5, 17, 99, 3, 42, 7, 250, 11], list(range(30, 100, 3))):
+        plain = greedy(prompt, 0)
+        assert greedy(prompt, 1) == plain and greedy(prompt, 3) == plain
+
+
+def test_an_mlx_community_quantized_ngram_table_or_non_affine_body_refuses_by_name(tmp_path):
+    from mtp_serve.testing.mlx_community import write_mlx_community
+
+    path = write_mlx_community(CKPT, tmp_path / "fp")
+    weights = load_weights(path)
+    weights["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.scales"] = mx.zeros((1024, 1))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match="qwen4_exp: a quantized PLE n-gram table .*is not supported yet"):
+        load_model(str(path))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="qwen4_exp: 'mxfp4' quantization .*is not supported yet"):
+        load_model(str(path))
+
+
+@pytest.mark.e2e
+def test_mtp_serve_serves_a_grafted_4bit_mlx_community_conversion(checkpoint_dir, tmp_path):
+    """`mtp-serve --model DIR --enable-mtp` on a 4-bit mlx-community conversion with the head
+    grafted: MTP on, and greedy replies with MTP equal those without it."""
+    import httpx
+
+    from mtp_serve.cli import graft
+    from mtp_serve.testing.mlx_community import write_mlx_community
+    from mtp_serve.testing.server_process import ServerProcess
+
+    src = checkpoint_dir("qwen4_exp", agreeable=True)
+    path = write_mlx_community(src, tmp_path / "q4", bits=4)
+    assert graft.main(["--from", str(src), "--into", str(path), "--no-verify"]) == 0
+    with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2"]) as server:
+        def ask(content, depth):
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
+                    "mtp_depth": depth}
+            r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        replies = {depth: ask("hello there", depth) for depth in (0, 2, 3)}
+        log = server.stop()
+    assert replies[0] == replies[2] == replies[3] and replies[0]
+    assert "MTP on, depth 2" in log and "not supported yet" not in log
