@@ -87,6 +87,9 @@ def round_bucket(rows: List[Sequence]) -> Bucket:
 class DepthPolicy:
     max_depth: int = 2  # the server's --mtp-depth: no row drafts more
     fixed: bool = False  # every row drafts its cap (tests, benchmarks)
+    # Copy lengths from measured window costs; False: every copy a row is expected to emit more
+    # from than from the head (no choice follows timing, so a run repeats exactly, chunks included).
+    timed_copies: bool = True
     round_time: Dict[Tuple[int, int, int], float] = field(default_factory=dict)  # (batch, context, K) -> seconds
     samples: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
     last_round: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # bucket round count when last run
@@ -224,7 +227,7 @@ class DepthPolicy:
         for L in range(1, available + 1):
             term *= c
             expected += term  # E_copy(L) = 1 + c + ... + c^L
-            t = self.window_seconds(bucket, L + 1)
+            t = self.window_seconds(bucket, L + 1) if self.timed_copies else None
             if t is None or head is None:
                 more = seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth)
                 return available if more else 0

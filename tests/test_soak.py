@@ -43,23 +43,40 @@ BAD = [
 ]
 
 
-def canonical(path: str, events: list) -> list:
-    """What a stream says, without its ids, timestamps and usage (cached tokens differ)."""
-    out = []
+def canonical(path: str, events: list) -> tuple:
+    """What a stream says, without its ids, timestamps and usage (cached tokens differ): its text
+    per kind joined (where a round's chunks end follows its accepted drafts, and copy lengths
+    follow measured round times) and its other events in order."""
+    text, other = {}, []
+
+    def add(kind: str, piece: str) -> None:
+        text[kind] = text.get(kind, "") + piece
+
     for e in events:
         if e == "[DONE]":
             continue
         d = json.loads(e)
         if path == "/v1/chat/completions" and d["choices"]:
             c = d["choices"][0]
-            out.append(({k: v for k, v in c["delta"].items() if k != "role"}, c["finish_reason"]))
+            for k, v in c["delta"].items():
+                if isinstance(v, str) and k != "role":
+                    add(k, v)
+                elif k != "role":
+                    other.append((k, v))
+            other += [c["finish_reason"]] if c["finish_reason"] else []
         elif path == "/v1/completions" and d["choices"]:
-            out.append((d["choices"][0]["text"], d["choices"][0]["finish_reason"]))
-        elif path == "/v1/messages" and d["type"] in ("content_block_delta", "message_delta"):
-            out.append((d["type"], d.get("delta")))
-        elif path == "/v1/responses" and (d["type"].endswith(".delta") or d["type"] in ("response.completed", "response.incomplete")):
-            out.append((d["type"], d.get("delta")))
-    return out
+            add("text", d["choices"][0]["text"])
+            other += [d["choices"][0]["finish_reason"]] if d["choices"][0]["finish_reason"] else []
+        elif path == "/v1/messages" and d["type"] == "content_block_delta":
+            delta = d["delta"]
+            add(delta["type"], "".join(v for k, v in delta.items() if k != "type" and isinstance(v, str)))
+        elif path == "/v1/messages" and d["type"] == "message_delta":
+            other.append(d.get("delta"))
+        elif path == "/v1/responses" and d["type"].endswith(".delta"):
+            add(d["type"], d["delta"])
+        elif path == "/v1/responses" and d["type"] in ("response.completed", "response.incomplete"):
+            other.append(d["type"])
+    return text, other
 
 
 def stream(s, path: str, body: dict) -> list:
@@ -105,7 +122,7 @@ def soak_server(checkpoint_dir):
 def test_soak(soak_server):
     s = soak_server
     solo = {name: canonical(path, stream(s, path, body)) for name, (path, body) in GOOD.items()}
-    assert all(solo.values())
+    assert all(text for text, _ in solo.values())
     counts = {"good": 0, "disconnects": 0, "bad": 0}
     failures, lock = [], threading.Lock()
 

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-mtp", action="store_true", help="decode with the checkpoint's MTP head (speculative, lossless)")
     p.add_argument("--mtp-depth", type=int, help="most drafts per round with --enable-mtp (default: the model card's); "
                    "each request's depth is chosen up to it from measured costs and its own acceptance")
-    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round, and copy drafts "
+                   "wherever a copy is expected to emit more than the head, not by measured times (a run repeats exactly)")
     p.add_argument("--copy-drafts", type=int, default=32, metavar="N",
                    help="with MTP on, also draft up to N tokens a round copied from the request's own prompt and output "
                         "where its latest tokens occurred before (exact like every draft; 0: off; a request's "
