@@ -108,13 +108,19 @@ def test_undo_step_restores_every_cache(loaded, rows, kv):
         lm.model.use_kv(FULL_KV)
 
 
-def _step_and_undo(lm, rows):
+def _stepped(lm, rows):
+    """An unpipelined plain loop of `rows` rows, a few steps in."""
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=rows, prefill_chunk=None,
                       policy=DepthPolicy(max_depth=0, fixed=True), pipeline=False)
     for i in range(rows):
         sched.add(i, [5 + i, 6, 7 + 2 * i], SamplingParams(max_tokens=50, ignore_eos=True), 0)
     for _ in range(rows + 3):
         list(sched.step())
+    return sched
+
+
+def _step_and_undo(lm, rows):
+    sched = _stepped(lm, rows)
     cache = sched.batch.cache
     assert steps_back(cache)
     tokens = mx.array([[s.primary] for s in sched.batch.rows])
@@ -138,10 +144,4 @@ def _step_and_undo(lm, rows):
 
 def _fresh_logits(lm, sched, tokens, rows):
     """The same step from a loop that never took the extra one."""
-    ref = Scheduler(lm.model, lm.tokenizer, max_batch_size=rows, prefill_chunk=None,
-                    policy=DepthPolicy(max_depth=0, fixed=True), pipeline=False)
-    for i in range(rows):
-        ref.add(i, [5 + i, 6, 7 + 2 * i], SamplingParams(max_tokens=50, ignore_eos=True), 0)
-    for _ in range(rows + 3):
-        list(ref.step())
-    return lm.model.forward(tokens, ref.batch.cache)[1]
+    return lm.model.forward(tokens, _stepped(lm, rows).batch.cache)[1]

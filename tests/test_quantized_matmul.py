@@ -334,27 +334,22 @@ def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni, 
     ext = qmm_ext.load()
     if vnni and not ext.vnni_supported():
         pytest.skip("no AVX-512 VNNI here")
-    before = ext.vnni()
-    try:
-        ext.set_vnni(vnni)
-        with numerics("int8"), int8_form(True), x_block(xblk):
-            for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
-                alone, windows = _group_form_windows(bits, gs, dtype, seed=gs + i)
-                for M, together in windows:
-                    assert mx.array_equal(together, alone[:M]).item(), f"{dtype} M={M}"
-            w, s, b = _quantized(37, 1536, bits, gs, mx.float32, seed=1)
-            x = mx.random.normal((5, 1536))
-            _close_int8(qmm_ext.qmm(x, w, s, b, gs, bits), x, w, s, b, gs, bits)
-            E, N, K = 4, 48, 256  # gathered: 40 (token, expert) rows, 2-17 an expert
-            w, s, b = _quantized(N, K, bits, gs, mx.bfloat16, seed=9, experts=E)
-            xs = mx.random.normal((20, 2, K))
-            ids = mx.array([0, 1, 1, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 3, 3, 3, 3, 1], dtype=mx.uint32)
-            together = qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits)
-            for p in range(20):
-                e = ids[p].item()
-                assert mx.array_equal(together[p], qmm_ext.qmm(xs[p], w[e], s[e], b[e], gs, bits)).item(), p
-    finally:
-        ext.set_vnni(before)
+    with kernel_setting("vnni", vnni), numerics("int8"), int8_form(True), x_block(xblk):
+        for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+            alone, windows = _group_form_windows(bits, gs, dtype, seed=gs + i)
+            for M, together in windows:
+                assert mx.array_equal(together, alone[:M]).item(), f"{dtype} M={M}"
+        w, s, b = _quantized(37, 1536, bits, gs, mx.float32, seed=1)
+        x = mx.random.normal((5, 1536))
+        _close_int8(qmm_ext.qmm(x, w, s, b, gs, bits), x, w, s, b, gs, bits)
+        E, N, K = 4, 48, 256  # gathered: 40 (token, expert) rows, 2-17 an expert
+        w, s, b = _quantized(N, K, bits, gs, mx.bfloat16, seed=9, experts=E)
+        xs = mx.random.normal((20, 2, K))
+        ids = mx.array([0, 1, 1, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 0, 3, 3, 3, 3, 1], dtype=mx.uint32)
+        together = qmm_ext.gather_qmm(xs, w, s, b, ids, gs, bits)
+        for p in range(20):
+            e = ids[p].item()
+            assert mx.array_equal(together[p], qmm_ext.qmm(xs[p], w[e], s[e], b[e], gs, bits)).item(), p
 
 
 @needs_kernel
@@ -365,17 +360,14 @@ def test_group_form_row_check_catches_a_window_that_sums_in_another_order(vnni):
     ext = qmm_ext.load()
     if vnni and not ext.vnni_supported():
         pytest.skip("no AVX-512 VNNI here")
-    before = ext.vnni()
     try:
-        ext.set_vnni(vnni)
         ext.set_group_mutation(True)
-        with numerics("int8"), int8_form(True):
+        with kernel_setting("vnni", vnni), numerics("int8"), int8_form(True):
             alone, windows = _group_form_windows(4, 64, mx.bfloat16, seed=2)
             differ = [M for M, together in windows if not mx.array_equal(together, alone[:M]).item()]
         assert differ and 1 not in differ, differ
     finally:
         ext.set_group_mutation(False)
-        ext.set_vnni(before)
 
 
 @needs_kernel

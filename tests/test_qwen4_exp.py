@@ -250,6 +250,16 @@ def test_the_synthetic_family_writes_every_part(tmp_path):
     assert "hyper_connection_mixer" in " ".join(index)
 
 
+def ask(server, content: str, depth: int) -> str:
+    """A greedy chat reply from the server at MTP depth `depth`."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0, "mtp_depth": depth}
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.e2e
 def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tmp_path):
     """`mtp-serve --model DIR --enable-mtp` on the raw HF layout: the start-up line reports MTP
@@ -264,18 +274,11 @@ def test_mtp_serve_serves_the_raw_hf_checkpoint_with_its_head(checkpoint_dir, tm
     path = checkpoint_dir("qwen4_exp", agreeable=True)
     with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2", "--max-batch-size", "4",
                         "--prompt-cache-bytes", "64M", "--prompt-cache-dir", tmp_path / "pc"]) as server:
-        def ask(content, depth):
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
-                    "mtp_depth": depth}
-            r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-
-        replies = {depth: ask("hello there", depth) for depth in (0, 2, 3)}
+        replies = {depth: ask(server, "hello there", depth) for depth in (0, 2, 3)}
         questions = ["hello there", "what is 2+2?", "write a haiku about rain"]
-        alone = [ask(q, 0) for q in questions]
+        alone = [ask(server, q, 0) for q in questions]
         with ThreadPoolExecutor(len(questions)) as pool:  # together: batched rounds
-            together = list(pool.map(lambda q: ask(q, 2), questions))
+            together = list(pool.map(lambda q: ask(server, q, 2), questions))
         stream = httpx.post(server.base_url + "/completions", json={"prompt": "abc", "max_tokens": 8, "stream": True},
                             timeout=120)
         assert stream.status_code == 200 and "data: [DONE]" in stream.text
@@ -450,8 +453,6 @@ def test_an_mlx_community_quantized_ngram_table_or_non_affine_body_refuses_by_na
 def test_mtp_serve_serves_a_grafted_4bit_mlx_community_conversion(checkpoint_dir, tmp_path):
     """`mtp-serve --model DIR --enable-mtp` on a 4-bit mlx-community conversion with the head
     grafted: MTP on, and greedy replies with MTP equal those without it."""
-    import httpx
-
     from mtp_serve.cli import graft
     from mtp_serve.testing.mlx_community import write_mlx_community
     from mtp_serve.testing.server_process import ServerProcess
@@ -460,14 +461,7 @@ def test_mtp_serve_serves_a_grafted_4bit_mlx_community_conversion(checkpoint_dir
     path = write_mlx_community(src, tmp_path / "q4", bits=4)
     assert graft.main(["--from", str(src), "--into", str(path), "--no-verify"]) == 0
     with ServerProcess(["--model", path, "--enable-mtp", "--mtp-depth", "2"]) as server:
-        def ask(content, depth):
-            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0,
-                    "mtp_depth": depth}
-            r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-
-        replies = {depth: ask("hello there", depth) for depth in (0, 2, 3)}
+        replies = {depth: ask(server, "hello there", depth) for depth in (0, 2, 3)}
         log = server.stop()
     assert replies[0] == replies[2] == replies[3] and replies[0]
     assert "MTP on, depth 2" in log and "not supported yet" not in log

@@ -15,7 +15,7 @@ import pytest
 from mtp_serve.engine.prompt_cache import PromptCache
 from mtp_serve.models import qwen4_exp
 
-from support.engine_images import assert_batched_rows_decode_as_alone, image_prompt, pictures_for, run
+from support.engine_images import assert_batched_rows_decode_as_alone, assert_mtp_identical_to_plain, image_prompt, pictures_for, run
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,7 @@ def test_the_image_reaches_the_model(vlm, pictures):
 
 @pytest.mark.parametrize("names", [("a",), ("a", "c")], ids=["one-image", "two-images"])
 def test_mtp_identical_to_plain_with_images(vlm, pictures, names):
-    images = tuple(pictures[n] for n in names)
-    prompt = image_prompt(vlm, images)
-    plain, _ = run(vlm, prompt, images, 0)
-    for depth in (1, 2, 3):
-        mtp, stats = run(vlm, prompt, images, depth)
-        assert mtp == plain, f"depth {depth}"
-        assert sum(stats.accepted) > 0
+    assert_mtp_identical_to_plain(vlm, pictures, names)
 
 
 def test_batched_rows_with_and_without_images(vlm, pictures):

@@ -48,6 +48,17 @@ def run(lm, prompt, images, depth, cache=None, max_tokens=24, params=None, check
     return out, stats
 
 
+def assert_mtp_identical_to_plain(vlm, pictures, names) -> None:
+    """Greedy MTP at depths 1-3 gives plain's tokens with the named pictures in the prompt, drafts landing."""
+    images = tuple(pictures[n] for n in names)
+    prompt = image_prompt(vlm, images)
+    plain, _ = run(vlm, prompt, images, 0)
+    for depth in (1, 2, 3):
+        mtp, stats = run(vlm, prompt, images, depth)
+        assert mtp == plain, f"depth {depth}"
+        assert sum(stats.accepted) > 0
+
+
 def assert_batched_rows_decode_as_alone(vlm, pictures) -> None:
     """Rows with one image, none and two, arriving at different steps and decoding together at
     depth 3, give each row's greedy plain output alone."""
