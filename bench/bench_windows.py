@@ -38,7 +38,7 @@ from cost_model import QWEN35_VOCAB, random_mtp_model
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve import skinny_gemm
 from mtp_serve.engine.warmup import calibrate_blas_threads
-from mtp_serve.models.caches import keep_verified, set_capture
+from mtp_serve.engine.window_costs import time_window
 
 PROMPT_AT_ZERO = 16
 
@@ -96,16 +96,7 @@ def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
     mx.eval(h, [c.state for c in cache])
 
     def timed(T: int) -> float:
-        x = mx.random.randint(0, 1000, (1, T))
-        mx.eval(x)
-        set_capture(cache, T > 1)
-        t0 = pc()
-        h, logits = model.forward(x, cache)
-        set_capture(cache, False)
-        if T > 1:
-            keep_verified(cache, [1], T)  # the commit is part of the cost
-        mx.eval(h, logits, [c.state for c in cache])
-        return pc() - t0
+        return time_window(model, cache, T, pc)
 
     times = {form: {k: [] for k in ("plain", *Ts)} for form in forms}
     for rep in range(reps + 1):

@@ -24,9 +24,10 @@ length L that maximises its own tokens per second, E_copy(L) / w(B, C, L+1), whe
 w is the measured time of a copy round whose window holds L+1 tokens (per window
 bucket 4, 8, 16, 32, 64), and only where that beats the head's rate at the depth
 chosen above (depth 0: plain decoding, so a copy never runs slower than plain).
-A window length not measured yet (or not for a while) is costed as the longest
-measured window no longer than it, copies' or the head's: an underestimate, so one
-round tries it and measures it.
+A window bucket never measured yet is costed from mtp-tune's measurement of it (in plain
+steps, `window_costs` in the model's mtp_serve.json) times this bucket's plain step; without
+one, or once a measurement is old, as the longest measured window no longer than it, copies'
+or the head's: an underestimate, so one round tries it and measures it.
 
 One policy serves one row and many: a single stream is a batch of one.
 """
@@ -99,6 +100,9 @@ class DepthPolicy:
     copy_samples: Dict[Tuple[int, int, int], int] = field(default_factory=dict)
     copy_last: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # `ticks` when last measured
     ticks: int = 0  # rounds observed, of every kind
+    # Window bucket -> cost in plain steps measured by mtp-tune (engine/window_costs.py): a
+    # bucket's copy rounds are costed from it until the bucket is measured here.
+    window_prior: Dict[int, float] = field(default_factory=dict)
 
     def request_cap(self, seq: Sequence) -> int:
         """The most a request ever drafts per round: its own limit within the server's."""
@@ -200,13 +204,17 @@ class DepthPolicy:
 
     def window_seconds(self, bucket: Bucket, n: int) -> Optional[float]:
         """Time of a round whose verify window holds n tokens: the measured copy-window cost of
-        its bucket where fresh, else the longest measured window no longer than it (copies'
+        its bucket where fresh; for a bucket never measured here, mtp-tune's cost of it times
+        this bucket's plain step; else the longest measured window no longer than it (copies'
         or the head's K+1), else the shortest measured. None before any is measured."""
         w = window_bucket(n)
         fresh = {k[2]: t for k, t in self.copy_time.items()
                  if k[:2] == bucket and self.ticks - self.copy_last[k] <= REPROBE_EVERY}
         if w in fresh:
             return fresh[w]
+        plain = self.round_time.get((*bucket, 0))
+        if w in self.window_prior and plain is not None and (*bucket, w) not in self.copy_samples:
+            return self.window_prior[w] * plain
         known = sorted([(m, t) for m, t in fresh.items()]
                        + [(k[2] + 1, t) for k, t in self.round_time.items() if k[:2] == bucket])
         if not known:

@@ -26,6 +26,9 @@ class ModelCard:
     default_mtp_depth: int = 2
     draft_vocab_size: int = 0  # draft from the checkpoint's N most frequent tokens (draft_vocab.json); 0 = all
     draft_head_bits: int = 0  # draft from the head quantized to 4 or 8 bits (models/draft_head.py); 0 = as stored
+    # (verify-window bucket, its cost in plain steps on this machine), from mtp-tune; in
+    # mtp_serve.json a mapping {"4": 1.2, "8": 1.5, ...}
+    window_costs: tuple = ()
 
     def __post_init__(self):
         if self.mtp_hidden not in ("post_norm", "pre_norm"):
@@ -39,6 +42,12 @@ def _card_fields(data: dict) -> dict:
     out = {k: v for k, v in data.items() if k in known}
     if "model_types" in out:
         out["model_types"] = tuple(out["model_types"])
+    if "window_costs" in out:
+        try:
+            out["window_costs"] = tuple(sorted((int(w), float(c)) for w, c in dict(out["window_costs"]).items()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"window_costs must map window sizes to costs in plain steps, e.g. "
+                             f"{{\"4\": 1.2}}; got {out['window_costs']!r}") from e
     return out
 
 

@@ -213,6 +213,19 @@ def test_no_draft_choice_keeps_the_drafts_as_they_were(grafted_q4):
     assert not head_is_quantized(load_model(str(grafted_q4)).model.head)
 
 
+def test_tune_stores_the_verify_windows_costs_and_the_server_policy_starts_from_them(grafted_q4):
+    from mtp_serve.cli.tune import verify_and_tune
+
+    lines = []
+    verify_and_tune(str(grafted_q4), tune_args(no_draft_choice=True), out=lines.append)
+    stored = json.loads((grafted_q4 / "mtp_serve.json").read_text())["window_costs"]
+    assert list(stored) == ["4", "8", "16", "32", "64"]  # every bucket copies of up to 32 tokens use
+    assert all(0 < c < 1000 for c in stored.values())
+    assert any(line.startswith("verify windows (copied drafts), in plain steps: 4 tokens") for line in lines)
+    card = load_card("qwen3_5", grafted_q4)
+    assert dict(card.window_costs) == {int(w): c for w, c in stored.items()}
+
+
 @pytest.mark.slow
 def test_graft_cli_chooses_the_drafts_and_mtp_serve_uses_them(tmp_path, checkpoint_dir, stock_converted):
     """mtp-graft as a user runs it (defaults: verify and tune), then mtp-serve with

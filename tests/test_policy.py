@@ -202,6 +202,20 @@ def test_a_window_measured_slow_long_ago_is_tried_again():
     assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 20  # costed as the head's window until measured again
 
 
+def test_a_window_never_measured_here_is_costed_from_mtp_tunes_measurement():
+    """No copy round ran yet: without mtp-tune's costs the row copies all 20 tokens (the 21-token
+    window costed as the head's 3-token one); with them (a 32-token window at 50 plain steps,
+    16 at 2) it copies 15; once the 32-token bucket is measured here, that measurement decides."""
+    policy, row = measured({})
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 20
+    policy.window_prior = {4: 1.2, 8: 1.5, 16: 2.0, 32: 50.0}
+    assert policy.window_seconds((1, 1024), 21) == pytest.approx(0.5)  # 50 plain steps of 10 ms
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 15
+    for r in range(2):
+        policy.observe_copies([row], [20], [0], 0.020 * (50 if r == 0 else 1))
+    assert policy.copy_length(row, 16, 20, 2, (1, 1024)) == 20
+
+
 def test_cap_is_the_servers_depth_and_requests_lower_it():
     policy = DepthPolicy(max_depth=5, fixed=True)
     assert policy.depths([Row(max_depth=8), Row(max_depth=3), Row(max_depth=0)]) == [5, 3, 0]

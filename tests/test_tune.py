@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mtp_serve.cli.tune import Measurement, ModeRun, save_choice, table, verdict
 from mtp_serve.models.model_card import load_card
 
@@ -43,8 +45,15 @@ def test_low_acceptance_differing_output_and_a_busy_machine_are_noted():
 def test_choice_is_stored_for_mtp_serve(tmp_path):
     (tmp_path / "mtp_serve.json").write_text(json.dumps({"mtp_hidden": "pre_norm"}))
     m = measurement([1.3, 1.7], [0.8, 0.8])
-    save_choice(tmp_path, verdict(m), m)
+    save_choice(tmp_path, verdict(m), m, window_costs={4: 1.2, 32: 3.5})
     card = load_card("qwen3_5", tmp_path)
     assert card.default_mtp_depth == 2 and card.mtp_hidden == "pre_norm"  # other overrides kept
     stored = json.loads((tmp_path / "mtp_serve.json").read_text())
     assert stored["mtp_tune"]["speed_vs_plain"] == {"1": 1.3, "2": 1.7}
+    assert stored["window_costs"] == {"4": 1.2, "32": 3.5} and card.window_costs == ((4, 1.2), (32, 3.5))
+
+
+def test_window_costs_that_are_not_a_mapping_of_sizes_are_refused(tmp_path):
+    (tmp_path / "mtp_serve.json").write_text(json.dumps({"window_costs": {"four": 1.2}}))
+    with pytest.raises(ValueError, match="window_costs must map window sizes"):
+        load_card("qwen3_5", tmp_path)

@@ -10,7 +10,9 @@ plain output, acceptance per draft position and decode speed against plain
 (best of the repeats: other work on the machine only ever adds time); prints
 a table and a verdict, and stores the chosen depth as `default_mtp_depth` in
 the model's `mtp_serve.json` (0: MTP does not pay here), which mtp-serve and
-mtp-generate use by default. `mtp-graft` and `mtp-convert` run the same
+mtp-generate use by default. It also measures what verify windows of 4 to 33
+tokens (copied drafts) cost in plain steps, stored as `window_costs`, which the
+depth policy starts from when it chooses copy lengths. `mtp-graft` and `mtp-convert` run the same
 check after writing.
 
 `--draft-vocab-text FILE ...` first measures the checkpoint's draft vocabulary
@@ -208,10 +210,11 @@ def table(m: Measurement) -> str:
 
 
 def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Optional[int] = None,
-                drafts: Optional["DraftChoice"] = None) -> Path:
+                drafts: Optional["DraftChoice"] = None, window_costs: Optional[Dict[int, float]] = None) -> Path:
     """Merge `default_mtp_depth` (and what it was measured from; `draft_vocab_size` when
     tuned with one; `draft_head_bits` and the acceptance behind them when the drafts were
-    chosen) into the model's mtp_serve.json."""
+    chosen; `window_costs`, the verify windows' costs in plain steps) into the model's
+    mtp_serve.json."""
     from mtp_serve.models.model_card import CHECKPOINT_CARD_FILE
 
     path = Path(model_dir) / CHECKPOINT_CARD_FILE
@@ -225,6 +228,8 @@ def save_choice(model_dir: Path, v: Verdict, m: Measurement, draft_vocab: Option
     if drafts is not None:
         data["draft_head_bits"] = drafts.setting.head_bits
         data["draft_choice"] = drafts.as_dict()
+    if window_costs:
+        data["window_costs"] = {str(w): c for w, c in sorted(window_costs.items())}
     data["mtp_tune"] = {
         "verdict": v.text,
         "speed_vs_plain": {str(d): round(m.ratio(d), 3) for d in m.depths},
@@ -331,6 +336,7 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     """Load `model`, choose its drafts (a quantized body), measure, print the table and
     verdict, store the choice. Raises CheckpointError for a model that cannot be loaded
     or has no MTP head."""
+    from mtp_serve.engine.window_costs import measure_window_costs
     from mtp_serve.models.draft_head import group_size_of, head_is_quantized, quantized_head
     from mtp_serve.models.loader import CheckpointError, load_model
 
@@ -366,6 +372,8 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
     m = measure(lm, args.max_depth, args.tune_tokens, args.tune_repeats, progress=lambda s: out(f"  {s}"))
     v = verdict(m)
     out(table(m))
+    costs = measure_window_costs(lm.model)
+    out("verify windows (copied drafts), in plain steps: " + ", ".join(f"{w} tokens {c:.2f}" for w, c in costs.items()))
     out(f"verdict: {v.text}")
     for note in v.notes:
         out(f"note: {note}")
@@ -373,7 +381,7 @@ def verify_and_tune(model: str, args, save: bool = True, out: Callable[[str], No
         out(f"note: drafts came from {lm.model.draft_vocab.size} tokens only; a draft vocabulary measured on text "
             "unlike the model's output also gives this: try --draft-vocab 0")
     if save:
-        path = save_choice(lm.path, v, m, draft_vocab, choice)
+        path = save_choice(lm.path, v, m, draft_vocab, choice, costs)
         stored = f"default_mtp_depth={v.depth}"
         if choice is not None:
             stored += f", draft_head_bits={choice.setting.head_bits}, draft_vocab_size={choice.setting.vocab}"
