@@ -25,8 +25,10 @@ head, without the measured window costs; a copy round slower than the head's rat
 length) to show what choosing by tokens per second buys.
 
 Columns: decode tokens/s per mode (after the first token), each mode's ratio to plain and
-to MTP alone, tokens per round with all sources, and the share of emitted tokens each source
-drafted. Random-weight models have Qwen3.5's 0.8B / 2B shapes and vocabulary (fp32, or a 4-bit
+to MTP alone, tokens per round with all sources and with MTP alone, the share of emitted tokens
+each source drafted, the tokens all sources drafted by copying (landed or not), and the share of
+all sources' decode time spent choosing copies (the index lookup and the length): with nothing
+to copy, that and the copy rounds are all that separates all sources from MTP alone. Random-weight models have Qwen3.5's 0.8B / 2B shapes and vocabulary (fp32, or a 4-bit
 body with `-q4`); the traces' token ids come from the demo model's tokenizer (all below 4,096).
 """
 
@@ -158,6 +160,26 @@ def forced_by(traces: dict):
         speculative.accept = real
 
 
+@contextmanager
+def choice_timer(spent: list):
+    """Adds to spent[0] the seconds the scheduler spends choosing certain drafts (the context
+    index lookup and the copy length): what copying costs in a round that copies nothing."""
+    real = Scheduler._certain_drafts
+
+    def timed(self, rows, depths):
+        t0 = pc()
+        try:
+            return real(self, rows, depths)
+        finally:
+            spent[0] += pc() - t0
+
+    Scheduler._certain_drafts = timed
+    try:
+        yield
+    finally:
+        Scheduler._certain_drafts = real
+
+
 def replay(lm, cache, context, reply, mode: str) -> dict:
     """One teacher-forced decode of `reply` after `context`; the head's drafts at oracle acceptance."""
     depth = 0 if mode == "plain" else DEPTH
@@ -169,7 +191,8 @@ def replay(lm, cache, context, reply, mode: str) -> dict:
     sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth, (len(context) - 1,))
     trace: list = []  # the prefill's token (the model's own), then the reply
     out, stats, first, last, n_first = [], None, None, None, 0
-    with forced_by({"r": trace}), oracle_drafts(trace, ACCEPTANCE, lm.model.vocab_size):
+    spent = [0.0]
+    with forced_by({"r": trace}), oracle_drafts(trace, ACCEPTANCE, lm.model.vocab_size), choice_timer(spent):
         while sched.has_work():
             for _, chunk in sched.step():
                 if not trace:
@@ -181,7 +204,8 @@ def replay(lm, cache, context, reply, mode: str) -> dict:
     assert out == trace[: len(out)], "the replay left its trace"
     n = len(out) - n_first
     return {"tok_s": n / (last - first), "per_round": n / max(1, stats.backbone_passes), "emitted": n,
-            "mtp": sum(stats.accepted), "copy": stats.copy_accepted}
+            "mtp": sum(stats.accepted), "copy": stats.copy_accepted, "copy_drafted": stats.copy_drafted,
+            "choice_share": spent[0] / (last - first)}
 
 
 # ---------------------------------------------------------------- models
@@ -234,24 +258,29 @@ def main() -> None:
                 a = best["all"]
                 row = dict(model=name, context=ctx, trace=kind, **{m: best[m]["tok_s"] for m in MODES},
                            per_round=a["per_round"], share_copy=a["copy"] / a["emitted"],
-                           share_mtp=a["mtp"] / a["emitted"], per_round_bt=best["by_tokens"]["per_round"])
+                           share_mtp=a["mtp"] / a["emitted"], per_round_bt=best["by_tokens"]["per_round"],
+                           per_round_mtp=best["mtp"]["per_round"], copy_drafted=a["copy_drafted"],
+                           choice_share=a["choice_share"])
                 rows.append(row)
                 print(f"[{name} {ctx} {kind}] plain {row['plain']:.2f} tok/s | mtp {row['mtp'] / row['plain']:.2f}x | "
                       f"copy {row['copy'] / row['plain']:.2f}x | all {row['all'] / row['plain']:.2f}x "
                       f"({row['all'] / row['mtp']:.2f}x mtp) | by tokens {row['by_tokens'] / row['plain']:.2f}x "
                       f"({row['by_tokens'] / row['mtp']:.2f}x mtp) | {row['per_round']:.2f} tokens/round "
                       f"({row['per_round_bt']:.2f} by tokens), "
-                      f"copied {row['share_copy']:.0%}, head {row['share_mtp']:.0%}", flush=True)
-        del lm
+                      f"copied {row['share_copy']:.0%}, head {row['share_mtp']:.0%} | MTP alone "
+                      f"{row['per_round_mtp']:.2f} tokens/round | all: {row['copy_drafted']} tokens copy-drafted, "
+                      f"{row['choice_share']:.2%} of decode time choosing copies", flush=True)
+        lm = None  # free the model before the next one loads
         mx.clear_cache()
     print("\n| model | context | trace | plain tok/s | MTP | copy | all | all / MTP | by tokens | by tokens / MTP "
-          "| tokens/round | copied | head |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| tokens/round | tokens/round MTP alone | copied | head | copy-drafted | choosing copies |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['context']} | {r['trace']} | {r['plain']:.2f} | {r['mtp'] / r['plain']:.2f}x | "
               f"{r['copy'] / r['plain']:.2f}x | {r['all'] / r['plain']:.2f}x | {r['all'] / r['mtp']:.2f}x | "
               f"{r['by_tokens'] / r['plain']:.2f}x | {r['by_tokens'] / r['mtp']:.2f}x | "
-              f"{r['per_round']:.2f} | {r['share_copy']:.0%} | {r['share_mtp']:.0%} |")
+              f"{r['per_round']:.2f} | {r['per_round_mtp']:.2f} | {r['share_copy']:.0%} | {r['share_mtp']:.0%} | "
+              f"{r['copy_drafted']} | {r['choice_share']:.2%} |")
 
 
 if __name__ == "__main__":
