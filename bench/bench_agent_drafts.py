@@ -185,8 +185,10 @@ def replay(lm, cache, context, reply, mode: str) -> dict:
     depth = 0 if mode == "plain" else DEPTH
     policy = (ByTokens if mode == "by_tokens" else DepthPolicy)(max_depth=0 if mode in ("plain", "copy") else DEPTH,
                                                                  fixed=True)
+    # Pipelined plain rounds off: their accept step is not the round's, which the trace replaces
+    # (on the CPU they decode no faster: bench_pipeline.py).
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=1024, prompt_cache=cache, policy=policy,
-                      copy_max=0 if mode in ("plain", "mtp") else 32)
+                      copy_max=0 if mode in ("plain", "mtp") else 32, pipeline=False)
     # A snapshot one token short of the context: every later replay restores it and prefills one token.
     sched.add("r", context, SamplingParams(max_tokens=len(reply) + 1, ignore_eos=True), depth, (len(context) - 1,))
     trace: list = []  # the prefill's token (the model's own), then the reply
