@@ -35,7 +35,7 @@ One policy serves one row and many: a single stream is a batch of one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .context_drafts import MIN_COPY
 from .sequence import Sequence, ema_update
@@ -207,20 +207,30 @@ class DepthPolicy:
         its bucket where fresh; for a bucket never measured here, mtp-tune's cost of it times
         this bucket's plain step; else the longest measured window no longer than it (copies'
         or the head's K+1), else the shortest measured. None before any is measured."""
-        w = window_bucket(n)
+        return self._window_costs(bucket)(n)
+
+    def _window_costs(self, bucket: Bucket) -> Callable[[int], Optional[float]]:
+        """`window_seconds` of one bucket for any n, its measurements gathered once."""
         fresh = {k[2]: t for k, t in self.copy_time.items()
                  if k[:2] == bucket and self.ticks - self.copy_last[k] <= REPROBE_EVERY}
-        if w in fresh:
-            return fresh[w]
         plain = self.round_time.get((*bucket, 0))
-        if w in self.window_prior and plain is not None and (*bucket, w) not in self.copy_samples:
-            return self.window_prior[w] * plain
+        prior = {w: c * plain for w, c in self.window_prior.items()
+                 if plain is not None and (*bucket, w) not in self.copy_samples}
         known = sorted([(m, t) for m, t in fresh.items()]
                        + [(k[2] + 1, t) for k, t in self.round_time.items() if k[:2] == bucket])
-        if not known:
-            return None
-        below = [t for m, t in known if m <= n]
-        return below[-1] if below else known[0][1]
+
+        def seconds(n: int) -> Optional[float]:
+            w = window_bucket(n)
+            if w in fresh:
+                return fresh[w]
+            if w in prior:
+                return prior[w]
+            if not known:
+                return None
+            below = [t for m, t in known if m <= n]
+            return below[-1] if below else known[0][1]
+
+        return seconds
 
     def copy_length(self, seq: Sequence, order: int, available: int, depth: int, bucket: Bucket) -> int:
         """How many of `available` copied tokens (a match of `order`) the row drafts this round:
@@ -231,11 +241,12 @@ class DepthPolicy:
             return 0
         c = seq.copy_cap.rates[order]
         head = self.head_round_rate(seq, depth, bucket)
+        window = self._window_costs(bucket) if self.timed_copies else (lambda n: None)
         expected, term, best, rate = 1.0, 1.0, 0, head
         for L in range(1, available + 1):
             term *= c
             expected += term  # E_copy(L) = 1 + c + ... + c^L
-            t = self.window_seconds(bucket, L + 1) if self.timed_copies else None
+            t = window(L + 1)
             if t is None or head is None:
                 more = seq.copy_cap.expected_tokens(order, available) > self.expected_tokens(seq, depth)
                 return available if more else 0

@@ -17,6 +17,8 @@ copy from their own output. Every test asserts that copies were drafted and acce
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 import pytest
 from scipy.stats import chi2_contingency
@@ -87,6 +89,32 @@ def test_index_proposes_what_followed_the_longest_latest_match():
     assert built.propose(5) == index.propose(5)  # extending equals building at once
     assert ContextIndex([4, 4, 4]).propose(3) == []  # the newest tokens are never their own match
     assert ContextIndex([4, 4, 4, 4]).propose(3) == [4]
+
+
+def test_a_prompt_indexed_at_once_proposes_what_token_by_token_indexing_does():
+    """The prompt's index is built in one vectorized pass; every proposal, at every order and
+    after every extension, equals the token-by-token index's."""
+    rng = random.Random(3)
+
+    def more(tokens):  # new tokens or a repeat of a span: matches at every order
+        if tokens and rng.random() < 0.5:
+            start = rng.randrange(len(tokens))
+            return tokens[start : start + rng.randrange(1, 24)]
+        return [rng.randrange(40) for _ in range(rng.randrange(1, 24))]
+
+    prompt = []
+    while len(prompt) < 4000:
+        prompt += more(prompt)
+    built, stepped = ContextIndex(prompt), ContextIndex()
+    stepped.extend(prompt)
+    orders = set()
+    for _ in range(300):
+        assert built.match(32) == stepped.match(32)
+        orders.add(built.match(32)[1])
+        tokens = more(built.tokens)
+        built.extend(tokens)
+        stepped.extend(tokens)
+    assert {0, 3, 4, 8, 16} <= orders
 
 
 # ---------------------------------------------------------------- greedy identity
