@@ -198,10 +198,15 @@ def context_refused(agent: Agent) -> None:
     assert delta(metrics(agent.server), before, refused) >= 1
 
 
+# The synthetic model with real Qwen3.5's layer mix, three GatedDeltaNet layers to one attention
+# layer: the agents' prompts are prefills of 12-20k tokens, and attention is most of their cost.
+AGENT_MODEL = dict(agreeable=True, likely_eos=True, full_attention_interval=4)
+
+
 @pytest.fixture(scope="module")
 def synthetic_server(request, checkpoint_dir):
     """The synthetic model at the context the test names (indirect parameter)."""
-    s = serve(checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True), served_model_name="demo", mtp_depth=2,
+    s = serve(checkpoint_dir("qwen3_5", **AGENT_MODEL), served_model_name="demo", mtp_depth=2,
               max_context=request.param)
     yield s
     s.stop()
@@ -211,7 +216,7 @@ def synthetic_server(request, checkpoint_dir):
 def vision_language_server(checkpoint_dir):
     """The synthetic model as a vision-language checkpoint (Qwen3_5ForConditionalGeneration with a
     vision tower), the form real Qwen3.5/3.6 checkpoints ship in."""
-    s = serve(checkpoint_dir("qwen3_5", agreeable=True, likely_eos=True, vision=True), served_model_name="demo",
+    s = serve(checkpoint_dir("qwen3_5", vision=True, **AGENT_MODEL), served_model_name="demo",
               mtp_depth=2, max_context=DEMO_CONTEXT)
     assert s.service.loaded.model.vision is not None
     yield s
