@@ -95,18 +95,24 @@ WORDS = {"constrained": False}  # the others read token ids back from a word tok
 
 @pytest.fixture(scope="module")
 def servers(checkpoint_dir):
-    started = {}
+    """One launch at a time: an idle launch still costs CPU (the launcher polls its ranks' pipes,
+    the ranks wait in the ring), so starting another stops the last one. The module-scoped
+    parameters group each mode's tests together, so each mode starts once."""
+    live = {}
 
     def get(mode):
-        if mode not in started:
+        if mode not in live:
+            for s in live.values():
+                s.stop()
+            live.clear()
             family, args = SETUPS[mode]
-            started[mode] = launch(checkpoint_dir(family, agreeable=True, words=WORDS.get(mode, True)), *args, "--mtp-depth", "3",
-                                   "--fixed-depth", "--rank-timeout", "30").start()
-            started[mode].mode = mode
-        return started[mode]
+            live[mode] = launch(checkpoint_dir(family, agreeable=True, words=WORDS.get(mode, True)), *args, "--mtp-depth", "3",
+                                "--fixed-depth", "--rank-timeout", "30").start()
+            live[mode].mode = mode
+        return live[mode]
 
     yield get
-    for s in started.values():
+    for s in live.values():
         s.stop()
 
 
@@ -114,7 +120,25 @@ def single(loaded, mode):
     return loaded(SETUPS[mode][0], agreeable=True, words=WORDS.get(mode, True))
 
 
-@pytest.mark.parametrize("mode", ["tensor", "tensor-moe", "pipeline"])
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+CONSTRAINTS = [({"guided_regex": "[a-f]{3}-[0-9]{2}"}, Constraint("regex", "[a-f]{3}-[0-9]{2}")),
+               ({"guided_json": PERSON}, Constraint.json_schema(PERSON))]
+
+
+def test_constrained_output_equals_single_process(servers, loaded):
+    server, lm = servers("constrained"), single(loaded, "constrained")
+    prompt = lm.tokenizer.encode("Answer:")
+    for (extra, constraint), sampling in zip(CONSTRAINTS * 2, [{}, {}, {"seed": 3, **SAMPLED}, {"seed": 4, **SAMPLED}]):
+        params = SamplingParams(max_tokens=40, constraint=constraint, **sampling)
+        expected = lm.tokenizer.decode([t for c in generate(lm.model, lm.tokenizer, prompt, params, depth=0)
+                                        for t in c.token_ids if t not in lm.tokenizer.eos_token_ids])
+        r = completion(server, prompt, 3, 40, extra={**extra, "ignore_eos": False}, **sampling)
+        assert r.choices[0].text == expected, (extra, sampling)
+        assert r.choices[0].finish_reason == "stop" and r.usage.model_extra["speculative"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["tensor", "tensor-moe", "pipeline"], scope="module")
 def test_greedy_output_equals_single_process(mode, servers, loaded):
     server, lm = servers(mode), single(loaded, mode)
     refs = [reference(lm, p) for p in PROMPTS]
@@ -142,7 +166,7 @@ def test_greedy_output_equals_single_process(mode, servers, loaded):
     assert_identical_or_near_tie(word_ids(r.choices[0].text), tokens[12:24], gaps[12:24], f"{mode} parallel, next turn")
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"], scope="module")
 def test_seeded_sampling_equals_single_process(mode, servers, loaded):
     server, lm = servers(mode), single(loaded, mode)
     seeds = (7, 1234)
@@ -152,24 +176,6 @@ def test_seeded_sampling_equals_single_process(mode, servers, loaded):
     with ThreadPoolExecutor(2) as pool:  # and in a batch, at other depths
         got = list(pool.map(lambda i: complete(server, PROMPTS[i], 3 - i, seed=seeds[i], **SAMPLED)[0], range(2)))
     assert got == expected
-
-
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
-CONSTRAINTS = [({"guided_regex": "[a-f]{3}-[0-9]{2}"}, Constraint("regex", "[a-f]{3}-[0-9]{2}")),
-               ({"guided_json": PERSON}, Constraint.json_schema(PERSON))]
-
-
-def test_constrained_output_equals_single_process(servers, loaded):
-    server, lm = servers("constrained"), single(loaded, "constrained")
-    prompt = lm.tokenizer.encode("Answer:")
-    for (extra, constraint), sampling in zip(CONSTRAINTS * 2, [{}, {}, {"seed": 3, **SAMPLED}, {"seed": 4, **SAMPLED}]):
-        params = SamplingParams(max_tokens=40, constraint=constraint, **sampling)
-        expected = lm.tokenizer.decode([t for c in generate(lm.model, lm.tokenizer, prompt, params, depth=0)
-                                        for t in c.token_ids if t not in lm.tokenizer.eos_token_ids])
-        r = completion(server, prompt, 3, 40, extra={**extra, "ignore_eos": False}, **sampling)
-        assert r.choices[0].text == expected, (extra, sampling)
-        assert r.choices[0].finish_reason == "stop" and r.usage.model_extra["speculative"]["drafted"] > 0
 
 
 def test_killed_rank_gives_503_and_rank_0_exits(servers):

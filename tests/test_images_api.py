@@ -400,7 +400,9 @@ def image_requests(caplog) -> list:
 @pytest.mark.agents
 def test_codex_exec_with_an_image(agent_server, tmp_path, caplog):
     """`codex exec "..." -i picture.png`, configured as README says: the picture reaches the
-    model as image tokens (the request's log line), and Codex gets its answer."""
+    model as image tokens (the request's log line), and Codex gets its answer. With one-line
+    instructions (`model_instructions_file`): the picture is the claim here, Codex's own 20k-token
+    prompt runs in test_agents.py."""
     import subprocess
 
     from test_agents import Codex
@@ -408,8 +410,10 @@ def test_codex_exec_with_an_image(agent_server, tmp_path, caplog):
     picture = tmp_path / "picture.png"
     picture.write_bytes(WIDE)
     agent = Codex(agent_server, tmp_path)
+    (tmp_path / "instructions.md").write_text("You are a helpful assistant.\n")
     with caplog.at_level(logging.INFO, logger="mtp_serve.server"):
-        r = subprocess.run([agent.bin, "exec", "--skip-git-repo-check", "What is in this picture?", "-i", str(picture)],
+        r = subprocess.run([agent.bin, "exec", "--skip-git-repo-check", "-c", f"model_instructions_file={tmp_path / 'instructions.md'}",
+                            "What is in this picture?", "-i", str(picture)],
                            cwd=agent.project, env=agent.env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert any("1 image, 12 image tokens" in line for line in image_requests(caplog)), caplog.text[-3000:]
@@ -418,7 +422,9 @@ def test_codex_exec_with_an_image(agent_server, tmp_path, caplog):
 @pytest.mark.agents
 def test_claude_code_with_an_image(agent_server, tmp_path, caplog):
     """Claude Code, configured as README says, sends a user turn holding a picture (`-p
-    --input-format stream-json`, as a script or an IDE drives it): it reaches the model as image tokens."""
+    --input-format stream-json`, as a script or an IDE drives it): it reaches the model as image
+    tokens. A one-line system prompt and no tools: the picture is the claim here, Claude Code's
+    full prompt runs in test_agents.py."""
     import json
     import subprocess
 
@@ -429,7 +435,8 @@ def test_claude_code_with_an_image(agent_server, tmp_path, caplog):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(WIDE).decode()}},
         {"type": "text", "text": "What is in this picture?"}]}}
     with caplog.at_level(logging.INFO, logger="mtp_serve.server"):
-        r = subprocess.run([agent.bin, "-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"],
+        r = subprocess.run([agent.bin, "-p", "--tools", "", "--system-prompt", "You are a helpful assistant.",
+                            "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"],
                            input=json.dumps(turn) + "\n", cwd=agent.project, env=agent.env, capture_output=True, text=True,
                            timeout=420)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -379,7 +379,9 @@ def test_claude_code_main_and_fast_models(checkpoint_dir, tmp_path):
     """Claude Code with ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL set to two served
     models: two turns complete, and both models answer (counted per model in /metrics). In
     `-p` mode this Claude Code sends no small-fast request of its own, so the second turn
-    continues the conversation on the fast model by one of its aliases (`--model`)."""
+    continues the conversation on the fast model by one of its aliases (`--model`). A one-line
+    system prompt and no tools: the routing is the claim here (Claude Code's full prompt, 13-17k
+    tokens a prefill, runs in test_agents.py)."""
     from support.npm_clients import npm_bin
 
     from test_agents import clean_env
@@ -399,16 +401,16 @@ def test_claude_code_main_and_fast_models(checkpoint_dir, tmp_path):
                    ANTHROPIC_SMALL_FAST_MODEL="fast", ANTHROPIC_DEFAULT_HAIKU_MODEL="fast")
 
         def turn(*a):
-            r = subprocess.run([bin_, "-p", *a], cwd=project, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                               text=True, timeout=420)
+            r = subprocess.run([bin_, "-p", "--tools", "", "--system-prompt", "You are a helpful assistant.", *a],
+                               cwd=project, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=420)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
         turn("Say hello")
         assert metric(s, "mtp_model_requests_total", "main") >= 1
         turn("--continue", "--model", "claude-haiku-4-5", "And again")
         assert metric(s, "mtp_model_requests_total", "fast") >= 1
-        for name in ("main", "fast"):
-            assert metric(s, "mtp_model_prompt_tokens_total", name) > 5000  # its system prompt and tools
+        # The fast model's prompt is the whole conversation so far: turn 1's and more.
+        assert metric(s, "mtp_model_prompt_tokens_total", "fast") > metric(s, "mtp_model_prompt_tokens_total", "main") > 0
         text = httpx.get(s.root + "/metrics").text
         assert 'mtp_requests_total{endpoint="/v1/messages",status="200"}' in text
         assert not [ln for ln in text.splitlines() if ln.startswith('mtp_requests_total{endpoint="/v1/messages"')

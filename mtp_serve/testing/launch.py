@@ -7,6 +7,11 @@
 `mlx.launch -n N --backend ring` starts local ranks without ssh; the ring's
 ports are picked free here, so several runs can share a machine. For tests
 and benchmarks.
+
+The launcher polls its ranks' pipes without sleeping (its `select` always finds
+a rank's stdin writable), about one core of a 2-core machine; once the ranks
+are started its threads are moved to the lowest CPU priority, so the ranks get
+the cores they would have if started apart (the ranks keep theirs).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -74,6 +80,8 @@ def run_launched(command: Sequence[str], timeout: float) -> subprocess.Completed
     """Run a launch command to its end; on timeout every rank is killed too (they share
     the launcher's process group), then TimeoutExpired is raised."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ranks = int(command[command.index("-n") + 1]) if "-n" in command else 0
+    threading.Thread(target=lower_launcher_priority, args=(proc, ranks), daemon=True).start()
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,6 +89,35 @@ def run_launched(command: Sequence[str], timeout: float) -> subprocess.Completed
         proc.communicate()
         raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _children(pid: int) -> List[int]:
+    kids: List[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def lower_launcher_priority(proc: subprocess.Popen, ranks: int, timeout: float = 60.0) -> bool:
+    """Once the launcher has started its `ranks` children, set each of its own threads to
+    nice 19 (Linux niceness is per thread; the ranks, started at the launcher's priority
+    before this, keep it). False where it could not (no /proc, the launcher gone, no ranks)."""
+    if not hasattr(os, "setpriority") or not Path(f"/proc/{proc.pid}/task").exists():
+        return False
+    deadline = time.time() + timeout
+    while len(_children(proc.pid)) < ranks:
+        if proc.poll() is not None or time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+        except OSError:
+            pass
+    return True
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -124,6 +161,7 @@ class LaunchedServer(Loopback):
     def start(self, timeout: float = 240.0) -> "LaunchedServer":
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        lower_launcher_priority(self.process, self.ranks)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
