@@ -666,6 +666,7 @@ inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
 
 struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
+  std::vector<float> total;  // each row's sum of exps
   std::vector<long> whole;  // the rows taking a whole tile
   std::vector<float> qpack, qall;  // four rows' q in pairs (the AVX-512 scores); all the head's rows in pairs (tiles)
   std::vector<const float*> ps;  // the rows' probabilities and outputs at a tile (tiles)
@@ -673,6 +674,15 @@ struct Scratch {
   alignas(64) float slice[KT * 64];  // a 64-column slice of a V tile (tiles)
   std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
 };
+
+// p = e / total for a row's entries [j0, j1), just before the values read them (one pass over
+// the scores fewer than dividing the whole row first; a division has one result, so the same bits).
+inline void divide(float* r, long j0, long j1, float total) {
+  const __m256 t = _mm256_set1_ps(total);
+  long j = j0;
+  for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_loadu_ps(r + j), t));
+  for (; j < j1; j++) r[j] /= total;
+}
 
 // Scores of the whole rows whole[0..nw) against the tile kt [n, D] on tiles: runs of 8 (then 4)
 // consecutive rows from an even row, q from x.qall. Returns how many rows are left, compacted
@@ -703,7 +713,7 @@ inline long scores_tiled(Scratch& x, long* whole, long nw, const float* kt, long
 template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
-  x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
+  x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D), x.total.resize(M);
   x.whole.resize(M), x.qpack.resize(size_t(4) * D), x.ps.resize(M), x.os.resize(M);
   const bool wide = row_blocks_wide && have_avx512, tiles = wide && row_tiles && row_blocks;
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
@@ -792,8 +802,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       _mm256_storeu_ps(r + j, ex);
       sum = _mm256_add_ps(sum, ex);
     }
-    const __m256 total = _mm256_set1_ps(std::max(hsum8(sum), 1e-30f));  // a row with no key: zeros
-    for (long j = 0; j < n8; j += 8) _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_loadu_ps(r + j), total));
+    x.total[m] = std::max(hsum8(sum), 1e-30f);  // a row with no key: zeros
   }
   float* out = jb.out + size_t(e) * M * D;
   std::fill(out, out + M * D, 0.0f);
@@ -810,6 +819,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
         for (long i = 0; i < nw; i++) {
           const long m = whole[i];
           x.ps[i] = x.sc.data() + m * W + x.cur[m], x.os[i] = out + m * D;
+          divide(x.sc.data() + m * W, x.cur[m], x.cur[m] + (s1 - s0), x.total[m]);
           x.cur[m] += int(s1 - s0);
         }
         values_rows_tiled512(x.ps.data(), x.os.data(), nw, vt, s1 - s0, D, x.slice);
@@ -822,6 +832,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
         for (long i = 0; i < R; i++) {
           const long m = whole[b + i];
           ps[i] = x.sc.data() + m * W + x.cur[m], os[i] = out + m * D;
+          divide(x.sc.data() + m * W, x.cur[m], x.cur[m] + (s1 - s0), x.total[m]);
           x.cur[m] += int(s1 - s0);
         }
         if (wide && D % 32 == 0) {
@@ -841,6 +852,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       while (j1 < n && idx[j1] < s1) j1++;
       if (j1 == j) continue;
       if (vt == nullptr) vt = V.get(e, s0, s1, x.tile.data());
+      divide(x.sc.data() + m * W, j, j1, x.total[m]);
       values_row(x.sc.data() + m * W, idx, j, j1, vt, s0, D, out + m * D);
       x.cur[m] = int(j1);
     }
@@ -973,6 +985,7 @@ void register_attention(nb::module_& m, ParallelFn run) {
         "attention_rows: rows sharing a whole key tile blocked (default) or each row alone; wide: the blocks and "
         "the unpacking of quantized tiles on 16-lane registers where the CPU has AVX-512; tiles (with wide): "
         "8 or 4 rows x several keys per block, reduced together (tests compare the forms)");
+  m.def("tiles_supported", [] { return qattn::have_avx512; }, "whether set_row_blocks' tiles run here (AVX-512)");
   m.def("set_tile_mutation", [](bool on) { qattn::tile_mutation = on; }, "on"_a,
         "negative control for the row-invariance tests: the tiles' scores summed in another order");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
