@@ -668,6 +668,7 @@ struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
   std::vector<float> total;  // each row's sum of exps
   std::vector<long> whole;  // the rows taking a whole tile
+  std::vector<long> runs;  // their runs of 8 or 4 rows on tiles (first rows, then sizes)
   std::vector<float> qpack, qall;  // four rows' q in pairs (the AVX-512 scores); all the head's rows in pairs (tiles)
   std::vector<const float*> ps;  // the rows' probabilities and outputs at a tile (tiles)
   std::vector<float*> os;
@@ -688,24 +689,28 @@ inline void divide(float* r, long j0, long j1, float total) {
 // consecutive rows from an even row, q from x.qall. Returns how many rows are left, compacted
 // to the front of `whole` (for the four-row blocks).
 inline long scores_tiled(Scratch& x, long* whole, long nw, const float* kt, long n, long D, long W) {
-  long b = 0, left = 0;
+  long b = 0, left = 0, nb = 0;
+  long *start = x.runs.data(), *size = start + nw / 4 + 1;  // the runs taken: first row, 8 or 4
   while (b < nw) {
     const long m = whole[b];
     const long R = m % 2 ? 0 : b + 8 <= nw && whole[b + 7] == m + 7 ? 8 : b + 4 <= nw && whole[b + 3] == m + 3 ? 4 : 0;
-    if (R == 0) {
-      whole[left++] = whole[b++];
-      continue;
-    }
-    float* rs[8];
-    for (long i = 0; i < R; i++) {
-      rs[i] = x.sc.data() + (m + i) * W + x.cur[m + i];
-      x.cur[m + i] += int(n);
-    }
-    const float* qp = x.qall.data() + size_t(m / 2) * D * 2;
-    if (R == 8) scores_pairs512<4>(qp, rs, kt, n, D);
-    else scores_pairs512<2>(qp, rs, kt, n, D);
-    b += R;
+    if (R == 0) whole[left++] = whole[b++];
+    else start[nb] = m, size[nb++] = R, b += R;
   }
+  // Keys in parts of KP (24 KB at D = 256): a part stays in L1 across the runs, where the whole
+  // tile (64 KB) would come from L2 for each run again.
+  constexpr long KP = 24;
+  for (long k0 = 0; k0 < n; k0 += KP)
+    for (long i = 0; i < nb; i++) {
+      const long m = start[i], R = size[i];
+      float* rs[8];
+      for (long r = 0; r < R; r++) rs[r] = x.sc.data() + (m + r) * W + x.cur[m + r] + k0;
+      const float* qp = x.qall.data() + size_t(m / 2) * D * 2;
+      if (R == 8) scores_pairs512<4>(qp, rs, kt + k0 * D, std::min(KP, n - k0), D);
+      else scores_pairs512<2>(qp, rs, kt + k0 * D, std::min(KP, n - k0), D);
+    }
+  for (long i = 0; i < nb; i++)
+    for (long r = 0; r < size[i]; r++) x.cur[start[i] + r] += int(n);
   return left;
 }
 
@@ -714,7 +719,7 @@ template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
   x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D), x.total.resize(M);
-  x.whole.resize(M), x.qpack.resize(size_t(4) * D), x.ps.resize(M), x.os.resize(M);
+  x.whole.resize(M), x.qpack.resize(size_t(4) * D), x.ps.resize(M), x.os.resize(M), x.runs.resize(2 * (M / 4 + 1));
   const bool wide = row_blocks_wide && have_avx512, tiles = wide && row_tiles && row_blocks;
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
   for (long m = 0; m < M; m++) {  // the row's keys, ascending
