@@ -148,3 +148,32 @@ def test_row_check_catches_tiles_that_sum_in_another_tree():
     finally:
         ext.set_tile_mutation(False)
     assert not mx.array_equal(outs["tiles"][0], outs["alone"][0]).item()
+
+
+def generated(lm, prompt, depth, max_tokens=24):
+    out, stats = [], None
+    for chunk in generate(lm.model, lm.tokenizer, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), depth):
+        out += chunk.token_ids
+        stats = chunk.stats
+    return out, stats
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
+def test_greedy_mtp_equals_plain_after_a_long_prompt(kv, loaded, monkeypatch):
+    """An 8.2k-token prompt on a synthetic Qwen3.5 model (head_dim 64, so every decode and verify
+    attention runs on the native kernel): MTP at depth 3 emits plain decoding's tokens."""
+    lm = loaded("qwen3_5", agreeable=True, head_dim=64)
+    lm.model.use_kv(kv)
+    taken = []
+    native = quantized_attention.attention_rows
+    monkeypatch.setattr(quantized_attention, "attention_rows", lambda *a: taken.append(a[0].shape[2]) or native(*a))
+    try:
+        prompt = rng.integers(0, 250, 8200).tolist()
+        plain, _ = generated(lm, prompt, 0)
+        ours, stats = generated(lm, prompt, 3)
+        assert ours == plain and sum(stats.accepted) > 0
+    finally:
+        lm.model.use_kv(FULL_KV)
+    assert 1 in taken and 4 in taken  # single steps and depth-3 windows
