@@ -231,9 +231,9 @@ mx::array quantized_values(const mx::array& p, const mx::array& w, const mx::arr
 // order, the list fixed by the row alone: keys [0, n) with n = S - T + t + 1 for window
 // position t (causal; n = S without a mask), or the keys its mask row keeps (a batch:
 // left padding, rolled-back holes). Every step depends on that list alone: a score is
-// one FMA chain over d; the max, the exps and their 8-lane sum run over the row's
-// scores packed in list order and padded to a multiple of 8 with -inf (exp 0); out[m, d]
-// is one FMA chain over the list. So a verify window's row t gets the bits the single
+// one FMA chain over d (an 8-lane chain and `hsum8`'s tree); the max, the exps and their
+// 8-lane sum run over the row's scores packed in list order and padded to a multiple of 8
+// with -inf (exp 0); p = e / sum, elementwise; out[m, d] is one FMA chain over the list. So a verify window's row t gets the bits the single
 // step at its position gets, and a row in a batch the bits it gets alone.
 
 constexpr int KT = 64;  // keys per tile: a K or V tile (64 x D floats) stays in cache across the rows
