@@ -118,16 +118,18 @@ def rows_kernel() -> Optional[Any]:
     return ext if ext is not None and hasattr(ext, "attention_rows") else None
 
 
-def set_row_blocks(on: bool, wide: bool = True) -> bool:
+def set_row_blocks(on: bool, wide: bool = True, tiles: bool = True) -> bool:
     """On (the default): `attention_rows` blocks the query rows that share a whole tile of keys,
     each K and V load serving up to four rows; wide: where the CPU has AVX-512, the blocks and
-    the unpacking of quantized K/V tiles on 16-lane registers (else 8-lane ones); off: each row
-    alone. Every form gives the same bits (tests and benchmarks compare them). Returns whether
-    the kernel is there to set."""
+    the unpacking of quantized K/V tiles on 16-lane registers (else 8-lane ones); tiles (with
+    wide): runs of 8 or 4 rows against 6 or 8 keys at a time for the scores and 6 rows x 64
+    columns for the values, as a small GEMM (windows' many rows); off: each row alone. Every
+    form gives the same bits (tests and benchmarks compare them). Returns whether the kernel
+    is there to set."""
     ext = rows_kernel()
     if ext is None or not hasattr(ext, "set_row_blocks"):
         return False
-    ext.set_row_blocks(on, wide)
+    ext.set_row_blocks(on, wide, tiles)
     return True
 
 

@@ -1,8 +1,10 @@
 """Decode attention over long caches: the native kernel (`quantized_attention.attention_rows`)
 scores a verify window over 8k+ keys as single steps would, bit for bit, at every row (full
 precision, 8-bit and 4-bit KV), a row in a batch (left padding, rolled-back holes) as it
-scores alone, with the query rows blocked over key tiles as with each row alone, and matches mlx-lm's attention to fp32 rounding; greedy MTP stays
-token-identical to plain decoding after a long prompt at each KV setting."""
+scores alone, with the query rows blocked over key tiles (four-row blocks, or tiles of rows x keys
+reduced together) as with each row alone (a mutated tile reduction fails that check), and matches
+mlx-lm's attention to fp32 rounding; greedy MTP stays token-identical to plain decoding after a
+long prompt at each KV setting."""
 
 import mlx.core as mx
 import numpy as np
@@ -93,12 +95,12 @@ def test_a_row_in_a_batch_scores_as_it_does_alone(kv):
         assert mx.array_equal(alone, together[i : i + 1]).item(), f"row {i}"
 
 
-@needs_kernel
-@pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
-@pytest.mark.parametrize("T", [1, 5, 33])
-def test_rows_blocked_over_key_tiles_give_each_row_alone_bits(kv, T):
-    """Blocking the rows that share a key tile changes which loads serve which rows, never a
-    row's bits: a window (causal, 8k+ keys) and a padded batch, blocked and row by row."""
+FORMS = {"tiles": (True, True, True), "wide": (True, True, False), "8-lane": (True, False, False),
+         "alone": (False, False, False)}  # set_row_blocks(on, wide, tiles); wide and tiles: AVX-512 where the CPU has it
+
+
+def blocked_and_alone(kv, T, forms=FORMS):
+    """A window (causal, 8k+ keys) and a padded batch of T rows per sequence through each form."""
     cache = filled(kv, 8300 - T)
     q, k, v = normal(B, HQ, T, D), normal(B, HKV, T, D), normal(B, HKV, T, D)
     keys, values = cache.update_and_fetch(k, v)
@@ -108,19 +110,44 @@ def test_rows_blocked_over_key_tiles_give_each_row_alone_bits(kv, T):
     bkeys, bvalues = batch.update_and_fetch(kb, vb)
     outs = {}
     try:
-        for form in ("wide", "8-lane", "alone"):  # wide: AVX-512 where the CPU has it, else as 8-lane
-            assert quantized_attention.set_row_blocks(form != "alone", wide=form == "wide")
+        for form in forms:
+            assert quantized_attention.set_row_blocks(*FORMS[form])
             window = quantized_attention.attention_rows(q, keys, values, cache, SCALE, "causal" if T > 1 else None)
             rows = quantized_attention.attention_rows(qb, bkeys, bvalues, batch, SCALE, bmask)
             mx.eval(window, rows)
             outs[form] = (window, rows)
     finally:
         quantized_attention.set_row_blocks(True)
-    for form in ("wide", "8-lane"):
+    return outs, reference(q, keys, values, cache, "causal" if T > 1 else None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", SETTINGS, ids=IDS)
+@pytest.mark.parametrize("T", [1, 5, 16, 33])
+def test_rows_blocked_over_key_tiles_give_each_row_alone_bits(kv, T):
+    """Blocking the rows that share a key tile (four-row blocks; tiles of 8 or 4 rows x several
+    keys, runs of rows taken whole and the rest in blocks) changes which loads serve which rows,
+    never a row's bits: a window and a padded batch, each form against row by row."""
+    outs, ref = blocked_and_alone(kv, T)
+    for form in ("tiles", "wide", "8-lane"):
         assert mx.array_equal(outs[form][0], outs["alone"][0]).item(), form
         assert mx.array_equal(outs[form][1], outs["alone"][1]).item(), form
-    assert mx.allclose(outs["wide"][0], reference(q, keys, values, cache, "causal" if T > 1 else None),
-                       atol=1e-5, rtol=1e-4).item()
+    assert mx.allclose(outs["tiles"][0], ref, atol=1e-5, rtol=1e-4).item()
+
+
+@needs_kernel
+def test_row_check_catches_tiles_that_sum_in_another_tree():
+    """Negative control: with the tiles' reduction mutated to another addition tree, the check
+    above finds the tiled window's rows differ from the rows alone."""
+    ext = quantized_attention.rows_kernel()
+    if not ext.tiles_supported():
+        pytest.skip("the tiles need AVX-512 (this CPU takes the four-row blocks)")
+    ext.set_tile_mutation(True)
+    try:
+        outs, _ = blocked_and_alone(FULL_KV, 33, forms=("tiles", "alone"))
+    finally:
+        ext.set_tile_mutation(False)
+    assert not mx.array_equal(outs["tiles"][0], outs["alone"][0]).item()
 
 
 def generated(lm, prompt, depth, max_tokens=24):

@@ -231,9 +231,9 @@ mx::array quantized_values(const mx::array& p, const mx::array& w, const mx::arr
 // order, the list fixed by the row alone: keys [0, n) with n = S - T + t + 1 for window
 // position t (causal; n = S without a mask), or the keys its mask row keeps (a batch:
 // left padding, rolled-back holes). Every step depends on that list alone: a score is
-// one FMA chain over d; the max, the exps and their 8-lane sum run over the row's
-// scores packed in list order and padded to a multiple of 8 with -inf (exp 0); out[m, d]
-// is one FMA chain over the list. So a verify window's row t gets the bits the single
+// one FMA chain over d (an 8-lane chain and `hsum8`'s tree); the max, the exps and their
+// 8-lane sum run over the row's scores packed in list order and padded to a multiple of 8
+// with -inf (exp 0); p = e / sum, elementwise; out[m, d] is one FMA chain over the list. So a verify window's row t gets the bits the single
 // step at its position gets, and a row in a batch the bits it gets alone.
 
 constexpr int KT = 64;  // keys per tile: a K or V tile (64 x D floats) stays in cache across the rows
@@ -539,6 +539,125 @@ TGT512 void values_rows512(const float* const p[R], const float* vt, long n, lon
   }
 }
 
+// Tiles: a block of query rows against a block of keys as a small GEMM, for windows whose many
+// rows share every key tile (T = 16: 64 rows per kv head at 0.8B shapes). Scores: 4 row pairs
+// (8 rows) x 6 keys or 2 pairs x 8 keys in 24 or 16 accumulators, each d step one load per
+// pair and per key for 24 or 16 FMAs, q packed in pairs once per head. The sums of 8
+// accumulators (16 dot products) are reduced together by shuffles, the additions in the tree
+// `hsum8` uses, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so each score keeps its bits.
+// Values: 6 rows x 64 columns per block over the tile's keys, the 64-column slice of V (16 KB)
+// staying in L1 across the row blocks; each output one FMA chain over the keys ascending.
+bool row_tiles = true;
+bool tile_mutation = false;  // negative control (`set_tile_mutation`): the tiles' sums in another tree
+
+// Half h of a[k] summed as hsum8 sums it, into w[4 (2 (k % 2) + h) + k / 2].
+TGT512 inline __attribute__((always_inline)) void hsum8x16(const __m512* a, float* w) {
+  __m512 x[4], z[2];
+  for (int i = 0; i < 4; i++)  // 128-bit quarters: [a.lo.lo + a.lo.hi, a.hi.lo + a.hi.hi, b..., b...]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)  // within quarters: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+    z[i] = tile_mutation  // (mutated: x0 + x1, x2 + x3, ...: a tree no single row uses)
+               ? _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD))
+               : _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  _mm512_store_ps(w, _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD)));
+}
+
+// Pairs qp[0..P) (packed as for scores_block512) against the NK keys kt[0..NK) [NK, D]: r[2i + h][j].
+template <int P, int NK>
+TGT512 inline __attribute__((always_inline)) void scores_tile512(const float* qp, const float* kt, long D,
+                                                                 float* const r[2 * P], long s) {
+  static_assert(P * NK % 8 == 0, "reduced 8 accumulators at a time");
+  __m512 a[P * NK];  // a[j P + i]: pair i, key j
+  {  // the first step: FMAs on zero (zeroing a first became a memset of a on the stack)
+    const __m512 zero = _mm512_setzero_ps();
+    for (int j = 0; j < NK; j++) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kt + j * D));
+      for (int i = 0; i < P; i++) a[j * P + i] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + size_t(i) * D * 2), kv, zero);
+    }
+  }
+  for (long d = 8; d < D; d += 8) {
+    __m512 qv[P];
+    for (int i = 0; i < P; i++) qv[i] = _mm512_loadu_ps(qp + (size_t(i) * D + d) * 2);
+    for (int j = 0; j < NK; j++) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(kt + j * D + d));
+      for (int i = 0; i < P; i++) a[j * P + i] = _mm512_fmadd_ps(qv[i], kv, a[j * P + i]);
+    }
+  }
+  alignas(64) float w[16];
+  for (int g = 0; g < P * NK / 8; g++) {
+    hsum8x16(a + 8 * g, w);
+    for (int k = 0; k < 8; k++) {
+      const int f = 8 * g + k, i = f % P, j = f / P;
+      r[2 * i][s + j] = w[4 * (2 * (k % 2)) + k / 2];
+      r[2 * i + 1][s + j] = w[4 * (2 * (k % 2) + 1) + k / 2];
+    }
+  }
+}
+
+// 2P consecutive rows (their q packed in pairs at qp) against every key of the tile kt [n, D].
+template <int P>
+TGT512 void scores_pairs512(const float* qp, float* const r[2 * P], const float* kt, long n, long D) {
+  constexpr int NK = P == 4 ? 6 : 8, NK2 = 8 / P;
+  long s = 0;
+  for (; s + NK <= n; s += NK) scores_tile512<P, NK>(qp, kt + s * D, D, r, s);
+  for (; s + NK2 <= n; s += NK2) scores_tile512<P, NK2>(qp, kt + s * D, D, r, s);
+  for (; s < n; s++) {
+    const float* k[1] = {kt + s * D};
+    float* rs[2 * P];
+    for (int i = 0; i < 2 * P; i++) rs[i] = r[i] + s;
+    scores_block512<P, 1>(qp, k, D, rs, 2 * P);
+  }
+}
+
+// R rows' out[i][0..64) += sum over the tile's n keys of p[i][s] * v[s, 0..64): one chain per column.
+template <int R>
+TGT512 void values_tile512(const float* const p[R], const float* vt, long n, long D, float* const out[R]) {
+  __m512 a[R][4];
+  for (int i = 0; i < R; i++)
+    for (int c = 0; c < 4; c++) a[i][c] = _mm512_loadu_ps(out[i] + 16 * c);
+  for (long s = 0; s < n; s++) {
+    __m512 v[4];
+    for (int c = 0; c < 4; c++) v[c] = _mm512_loadu_ps(vt + s * D + 16 * c);
+    for (int i = 0; i < R; i++) {
+      const __m512 ps = _mm512_set1_ps(p[i][s]);
+      for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(ps, v[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out[i] + 16 * c, a[i][c]);
+}
+
+// Rows ps[0..nw) (probabilities at the tile's first key) times the tile vt [n, D] into os[i] (D % 64 == 0).
+// With more rows than one block, each 64-column slice is first copied to `slice` [n, 64]: the rows
+// of a cache lie D floats apart, a power of two, so a slice in place falls on a quarter of L1's sets
+// and does not stay there across the row blocks.
+TGT512 void values_rows_tiled512(const float* const* ps, float* const* os, long nw, const float* vt, long n, long D,
+                                 float* slice) {
+  for (long c = 0; c < D; c += 64) {
+    const float* v = vt + c;
+    long ld = D;
+    if (nw > 6) {
+      for (long s = 0; s < n; s++)
+        for (int k = 0; k < 4; k++) _mm512_store_ps(slice + s * 64 + 16 * k, _mm512_loadu_ps(vt + s * D + c + 16 * k));
+      v = slice, ld = 64;
+    }
+    for (long b = 0; b < nw; b += 6) {
+      const long R = std::min<long>(6, nw - b);
+      float* o[6];
+      for (long i = 0; i < R; i++) o[i] = os[b + i] + c;
+      switch (R) {
+        case 6: values_tile512<6>(ps + b, v, n, ld, o); break;
+        case 5: values_tile512<5>(ps + b, v, n, ld, o); break;
+        case 4: values_tile512<4>(ps + b, v, n, ld, o); break;
+        case 3: values_tile512<3>(ps + b, v, n, ld, o); break;
+        case 2: values_tile512<2>(ps + b, v, n, ld, o); break;
+        default: values_tile512<1>(ps + b, v, n, ld, o); break;
+      }
+    }
+  }
+}
+
 // Whether row m's list, from entry j, holds exactly the keys [s0, s1) next (strictly ascending entries).
 inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
   const long c = s1 - s0;
@@ -547,18 +666,61 @@ inline bool whole_tile(const int* idx, long j, long n, long s0, long s1) {
 
 struct Scratch {
   std::vector<int> idx, n, cur;  // each row's key list, its length, a cursor
+  std::vector<float> total;  // each row's sum of exps
   std::vector<long> whole;  // the rows taking a whole tile
-  std::vector<float> qpack;  // four rows' q in pairs (the AVX-512 scores)
+  std::vector<long> runs;  // their runs of 8 or 4 rows on tiles (first rows, then sizes)
+  std::vector<float> qpack, qall;  // four rows' q in pairs (the AVX-512 scores); all the head's rows in pairs (tiles)
+  std::vector<const float*> ps;  // the rows' probabilities and outputs at a tile (tiles)
+  std::vector<float*> os;
+  alignas(64) float slice[KT * 64];  // a 64-column slice of a V tile (tiles)
   std::vector<float> sc, tile;  // each row's scores (then probabilities), packed; an unpacked tile
 };
+
+// p = e / total for a row's entries [j0, j1), just before the values read them (one pass over
+// the scores fewer than dividing the whole row first; a division has one result, so the same bits).
+inline void divide(float* r, long j0, long j1, float total) {
+  const __m256 t = _mm256_set1_ps(total);
+  long j = j0;
+  for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_loadu_ps(r + j), t));
+  for (; j < j1; j++) r[j] /= total;
+}
+
+// Scores of the whole rows whole[0..nw) against the tile kt [n, D] on tiles: runs of 8 (then 4)
+// consecutive rows from an even row, q from x.qall. Returns how many rows are left, compacted
+// to the front of `whole` (for the four-row blocks).
+inline long scores_tiled(Scratch& x, long* whole, long nw, const float* kt, long n, long D, long W) {
+  long b = 0, left = 0, nb = 0;
+  long *start = x.runs.data(), *size = start + nw / 4 + 1;  // the runs taken: first row, 8 or 4
+  while (b < nw) {
+    const long m = whole[b];
+    const long R = m % 2 ? 0 : b + 8 <= nw && whole[b + 7] == m + 7 ? 8 : b + 4 <= nw && whole[b + 3] == m + 3 ? 4 : 0;
+    if (R == 0) whole[left++] = whole[b++];
+    else start[nb] = m, size[nb++] = R, b += R;
+  }
+  // Keys in parts of KP (24 KB at D = 256): a part stays in L1 across the runs, where the whole
+  // tile (64 KB) would come from L2 for each run again.
+  constexpr long KP = 24;
+  for (long k0 = 0; k0 < n; k0 += KP)
+    for (long i = 0; i < nb; i++) {
+      const long m = start[i], R = size[i];
+      float* rs[8];
+      for (long r = 0; r < R; r++) rs[r] = x.sc.data() + (m + r) * W + x.cur[m + r] + k0;
+      const float* qp = x.qall.data() + size_t(m / 2) * D * 2;
+      if (R == 8) scores_pairs512<4>(qp, rs, kt + k0 * D, std::min(KP, n - k0), D);
+      else scores_pairs512<2>(qp, rs, kt + k0 * D, std::min(KP, n - k0), D);
+    }
+  for (long i = 0; i < nb; i++)
+    for (long r = 0; r < size[i]; r++) x.cur[start[i] + r] += int(n);
+  return left;
+}
 
 // The head e's rows: keys, softmax, values.
 template <class KV>
 void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) {
   const long M = jb.M, D = jb.D, S = jb.S, W = (S + 7) & ~7L;
-  x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D);
-  x.whole.resize(M), x.qpack.resize(size_t(4) * D);
-  const bool wide = row_blocks_wide && have_avx512;
+  x.idx.resize(size_t(M) * S), x.n.assign(M, 0), x.cur.assign(M, 0), x.tile.resize(size_t(KT) * D), x.total.resize(M);
+  x.whole.resize(M), x.qpack.resize(size_t(4) * D), x.ps.resize(M), x.os.resize(M), x.runs.resize(2 * (M / 4 + 1));
+  const bool wide = row_blocks_wide && have_avx512, tiles = wide && row_tiles && row_blocks;
   x.sc.assign(size_t(M) * W, -std::numeric_limits<float>::infinity());
   for (long m = 0; m < M; m++) {  // the row's keys, ascending
     const long t = m % jb.T;
@@ -575,6 +737,15 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
     x.n[m] = int(n);
   }
   const float* q = jb.q + size_t(e) * M * D;
+  if (tiles && M >= 4) {  // every row's q in pairs, once (zeros past an odd last row)
+    x.qall.resize(size_t((M + 1) / 2) * D * 2);
+    for (long i = 0; 2 * i < M; i++)
+      for (long d = 0; d < D; d += 8)
+        for (int l = 0; l < 8; l++) {
+          x.qall[(size_t(i) * D + d) * 2 + l] = q[2 * i * D + d + l];
+          x.qall[(size_t(i) * D + d) * 2 + 8 + l] = 2 * i + 1 < M ? q[(2 * i + 1) * D + d + l] : 0.0f;
+        }
+  }
   for (long s0 = 0; s0 < S; s0 += KT) {  // K tile by tile, each tile for every row
     const long s1 = std::min(S, s0 + KT);
     const float* kt = nullptr;
@@ -583,6 +754,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       for (long m = 0; m < M; m++)
         if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
       if (nw > 0) kt = K.get(e, s0, s1, x.tile.data());
+      if (tiles && M >= 4) nw = scores_tiled(x, whole, nw, kt, s1 - s0, D, W);  // leaves the rows it did not take
       for (long b = 0; b < nw; b += 4) {
         const float* qs[4];
         float* rs[4];
@@ -635,8 +807,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       _mm256_storeu_ps(r + j, ex);
       sum = _mm256_add_ps(sum, ex);
     }
-    const __m256 total = _mm256_set1_ps(std::max(hsum8(sum), 1e-30f));  // a row with no key: zeros
-    for (long j = 0; j < n8; j += 8) _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_loadu_ps(r + j), total));
+    x.total[m] = std::max(hsum8(sum), 1e-30f);  // a row with no key: zeros
   }
   float* out = jb.out + size_t(e) * M * D;
   std::fill(out, out + M * D, 0.0f);
@@ -649,6 +820,16 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       for (long m = 0; m < M; m++)
         if (whole_tile(x.idx.data() + m * S, x.cur[m], x.n[m], s0, s1)) whole[nw++] = m;
       if (nw > 0) vt = V.get(e, s0, s1, x.tile.data());
+      if (tiles && D % 64 == 0 && nw > 0) {
+        for (long i = 0; i < nw; i++) {
+          const long m = whole[i];
+          x.ps[i] = x.sc.data() + m * W + x.cur[m], x.os[i] = out + m * D;
+          divide(x.sc.data() + m * W, x.cur[m], x.cur[m] + (s1 - s0), x.total[m]);
+          x.cur[m] += int(s1 - s0);
+        }
+        values_rows_tiled512(x.ps.data(), x.os.data(), nw, vt, s1 - s0, D, x.slice);
+        nw = 0;
+      }
       for (long b = 0; b < nw; b += 4) {
         const float* ps[4];
         float* os[4];
@@ -656,6 +837,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
         for (long i = 0; i < R; i++) {
           const long m = whole[b + i];
           ps[i] = x.sc.data() + m * W + x.cur[m], os[i] = out + m * D;
+          divide(x.sc.data() + m * W, x.cur[m], x.cur[m] + (s1 - s0), x.total[m]);
           x.cur[m] += int(s1 - s0);
         }
         if (wide && D % 32 == 0) {
@@ -675,6 +857,7 @@ void rows_task(const RowsJob& jb, const KV& K, const KV& V, long e, Scratch& x) 
       while (j1 < n && idx[j1] < s1) j1++;
       if (j1 == j) continue;
       if (vt == nullptr) vt = V.get(e, s0, s1, x.tile.data());
+      divide(x.sc.data() + m * W, j, j1, x.total[m]);
       values_row(x.sc.data() + m * W, idx, j, j1, vt, s0, D, out + m * D);
       x.cur[m] = int(j1);
     }
@@ -801,10 +984,15 @@ mx::array attention_rows(const mx::array& q, const std::vector<mx::array>& kv, s
 // Called from quantized_matmul.cpp's module definition, with its thread pool.
 void register_attention(nb::module_& m, ParallelFn run) {
   qattn::parallel = run;
-  m.def("set_row_blocks", [](bool on, bool wide) { qattn::row_blocks = on, qattn::row_blocks_wide = wide; }, "on"_a,
-        "wide"_a = true,
+  m.def("set_row_blocks",
+        [](bool on, bool wide, bool tiles) { qattn::row_blocks = on, qattn::row_blocks_wide = wide, qattn::row_tiles = tiles; },
+        "on"_a, "wide"_a = true, "tiles"_a = true,
         "attention_rows: rows sharing a whole key tile blocked (default) or each row alone; wide: the blocks and "
-        "the unpacking of quantized tiles on 16-lane registers where the CPU has AVX-512 (tests compare the forms)");
+        "the unpacking of quantized tiles on 16-lane registers where the CPU has AVX-512; tiles (with wide): "
+        "8 or 4 rows x several keys per block, reduced together (tests compare the forms)");
+  m.def("tiles_supported", [] { return qattn::have_avx512; }, "whether set_row_blocks' tiles run here (AVX-512)");
+  m.def("set_tile_mutation", [](bool on) { qattn::tile_mutation = on; }, "on"_a,
+        "negative control for the row-invariance tests: the tiles' scores summed in another order");
   m.def("quantized_values", &qattn::quantized_values, "p"_a, "w"_a, "scales"_a, "biases"_a, "rows_per_head"_a,
         "group_size"_a, "bits"_a);
   m.def("attention_rows", &qattn::attention_rows, "q"_a, "kv"_a, "mask"_a.none(), "rows_per_head"_a, "window"_a,
