@@ -152,6 +152,8 @@ def load() -> Optional[ModuleType]:
                     _EXT = ext
                     if os.environ.get("MTP_SERVE_NO_VNNI") == "1":
                         ext.set_vnni(False)  # the AVX2 form (the same bits, slower 8-bit windows)
+                    if os.environ.get("MTP_SERVE_NO_AVX_VNNI") == "1":
+                        ext.set_avx_vnni(False)  # AVX2's maddubs/madd instead of AVX-VNNI (the same bits)
                     user = os.environ.get("OPENBLAS_NUM_THREADS", "")
                     ext.set_threads(_threads or (int(user) if user.isdigit() else os.cpu_count() or 1))
                 else:
@@ -175,7 +177,9 @@ def status() -> str:
 
 
 def _kernel_line() -> str:
-    vnni = " on AVX-512 VNNI" if numerics() == "int8" and _EXT.vnni() else ""
+    vnni = ""
+    if numerics() == "int8":
+        vnni = " on AVX-512 VNNI" if _EXT.vnni() else " on AVX-VNNI" if _EXT.avx_vnni() else ""
     return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics{vnni}"
 
 
@@ -295,10 +299,11 @@ def from_lanes(a: mx.array, n0: int, n1: int) -> mx.array:
 
 def take_lanes(a: mx.array, ids: mx.array) -> mx.array:
     """Rows `ids` (any shape) of the original [N, C] array from its lane layout -> [*ids.shape, C]."""
-    flat = ids.reshape(-1).astype(mx.uint32)
-    blocks = a[flat // LANES]  # [n, C, 16]
-    rows = mx.take_along_axis(blocks, (flat % LANES).reshape(-1, 1, 1), axis=2)
-    return rows.reshape(*ids.shape, a.shape[1])
+    C = a.shape[1]
+    flat = ids.reshape(-1, 1).astype(mx.uint32)
+    # element (r, c) sits at (r // 16) * C * 16 + c * 16 + r % 16: one index per element taken
+    at = (flat // LANES) * (C * LANES) + flat % LANES + mx.arange(0, C * LANES, LANES, dtype=mx.uint32)
+    return mx.take(a.reshape(-1), at).reshape(*ids.shape, C)
 
 
 def qmm_lanes(x: mx.array, weights: list, group_size: int, bits: int) -> list:

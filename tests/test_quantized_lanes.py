@@ -8,6 +8,8 @@ packed weight, scales and biases, and what reads the original layout (prefill sl
 lookups, draft-vocabulary rows, `.weight`, MLX's own class) gets exactly the original arrays.
 """
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -37,21 +39,31 @@ def _lane_windows(bits, gs, dtype, seed):
     return alone, [(M, qmm_ext.qmm_lanes(x[:M], [lanes], gs, bits)[0]) for M in range(1, 65)]
 
 
-def _vnni(vnni):
-    if vnni and not qmm_ext.load().vnni_supported():
+ISAS = ["avx512-vnni", "avx-vnni", "avx2"]
+
+
+@contextmanager
+def instruction_set(isa):
+    """The int8 forms on AVX-512 VNNI, on AVX-VNNI (256-bit dpbusd) or on AVX2 alone."""
+    ext = qmm_ext.load()
+    if isa == "avx512-vnni" and not ext.vnni_supported():
         pytest.skip("no AVX-512 VNNI here")
-    return kernel_setting("vnni", vnni)
+    if isa == "avx-vnni" and not ext.avx_vnni_supported():
+        pytest.skip("no AVX-VNNI here")
+    with kernel_setting("vnni", isa == "avx512-vnni"), kernel_setting("avx_vnni", isa == "avx-vnni"):
+        assert ext.vnni() == (isa == "avx512-vnni") and ext.avx_vnni() == (isa == "avx-vnni")
+        yield
 
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-@pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("xblk", [32, 0], ids=["x-per-32", "x-per-group"])
-def test_lane_form_windows_of_1_to_64_rows_keep_each_rows_group_form_bits(bits, gs, vnni, xblk):
+def test_lane_form_windows_of_1_to_64_rows_keep_each_rows_group_form_bits(bits, gs, isa, xblk):
     """Every row of a 1-64-row window on the lanes equals the group form's row alone on the original
-    layout, for every scale dtype, on AVX-512 VNNI and on AVX2, across blocks of rows and panels of K."""
-    with _vnni(vnni), numerics("int8"), int8_form(True), x_block(xblk):
+    layout, for every scale dtype, on each instruction set, across blocks of rows and panels of K."""
+    with instruction_set(isa), numerics("int8"), int8_form(True), x_block(xblk):
         for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
             alone, windows = _lane_windows(bits, gs, dtype, seed=gs + i)
             for M, together in windows:
@@ -60,13 +72,13 @@ def test_lane_form_windows_of_1_to_64_rows_keep_each_rows_group_form_bits(bits, 
 
 
 @needs_kernel
-@pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2"])
-def test_lane_form_row_check_catches_a_window_that_sums_in_another_order(vnni):
+@pytest.mark.parametrize("isa", ISAS)
+def test_lane_form_row_check_catches_a_window_that_sums_in_another_order(isa):
     """Negative control: the kernel mutated to add the bias term first in several-row blocks makes the
     check above find windows whose rows differ from the row alone (and never the one-row window)."""
     ext = qmm_ext.load()
     try:
-        with _vnni(vnni), numerics("int8"), int8_form(True):
+        with instruction_set(isa), numerics("int8"), int8_form(True):
             alone, _ = _lane_windows(4, 64, mx.bfloat16, seed=2)
             ext.set_group_mutation(True)
             _, windows = _lane_windows(4, 64, mx.bfloat16, seed=2)
@@ -74,6 +86,26 @@ def test_lane_form_row_check_catches_a_window_that_sums_in_another_order(vnni):
         assert differ and 1 not in differ, differ
     finally:
         ext.set_group_mutation(False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_avx_vnni_gives_the_avx2_forms_bits(bits, gs):
+    """AVX-VNNI's dpbusd sums what AVX2's maddubs/madd sum: on both layouts, windows of 1-64 rows and
+    every scale dtype, each row's bits are the AVX2 form's."""
+    for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+        w, s, b = _quantized(N, K, bits, gs, dtype, seed=gs + i)
+        lanes = (qmm_ext.to_lanes(w), qmm_ext.to_lanes(s), qmm_ext.to_lanes(b), N)
+        x = mx.random.normal((64, K), key=mx.random.key(i)) * 3
+        forms = {}
+        for isa in ("avx-vnni", "avx2"):
+            with instruction_set(isa), numerics("int8"), int8_form(True):
+                forms[isa] = [(qmm_ext.qmm(x[:M], w, s, b, gs, bits), qmm_ext.qmm_lanes(x[:M], [lanes], gs, bits)[0])
+                              for M in (1, 2, 3, 4, 5, 8, 13, 64)]
+                mx.eval(forms[isa])
+        for (a, la), (c, lc) in zip(forms["avx-vnni"], forms["avx2"]):
+            assert mx.array_equal(a, c).item() and mx.array_equal(la, lc).item(), (dtype, a.shape)
 
 
 def _layers(monkeypatch=None):

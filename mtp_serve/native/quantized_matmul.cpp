@@ -42,6 +42,7 @@
 // pair's rows; pairs are grouped by expert so one expert's weights are read
 // once for every row routed to it.
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -516,6 +517,14 @@ bool vnni_supported() {
 }
 bool vnni_on = vnni_supported();  // set_vnni(False): the AVX2 form (tests compare the two)
 
+// AVX-VNNI (CPUID leaf 7 subleaf 1, EAX bit 4): 256-bit vpdpbusd on chips without AVX-512 (Intel client
+// cores); the group and lane forms' AVX2 path sums with it, the same bits (qmm_group.inc).
+bool avx_vnni_supported() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1) && __builtin_cpu_supports("avx2");
+}
+bool avx_vnni_on = avx_vnni_supported();  // used where AVX-512 VNNI is not (set_vnni(False) on a chip with both)
+
 // ------------------------------------------------------------------ thread pool
 
 // The caller is part 0. Between products the workers spin for up to `spin_us` before
@@ -640,12 +649,12 @@ void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool i
   PrepG prepg;
   int8 = int8 && (bits == 4 || bits == 8);  // 2 bits: the exact kernel
   if (lanes && !int8) throw std::invalid_argument("mtp qmm: the lane layout takes int8 numerics at 4 or 8 bits");
-  const bool vnni = int8 && vnni_on, group = int8 && (int8_group || lanes);
-  if (group) prepg.build(x, xrows, K, gs, bits, !vnni && bits == 8);
+  const bool vnni = int8 && vnni_on, group = int8 && (int8_group || lanes), dp = int8 && !vnni && avx_vnni_on;
+  if (group) prepg.build(x, xrows, K, gs, bits, !vnni && !dp && bits == 8);
   else if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = lanes  ? pick_lanes(bits, st, vnni)
-                    : group  ? pick_group(bits, st, vnni)
+  const SpanFn fn = lanes  ? pick_lanes(bits, st, vnni, dp)
+                    : group  ? pick_group(bits, st, vnni, dp)
                     : !int8 ? pick(bits, st, gs)
                     : vnni  ? vnni::pick_pairs(bits, st, gs)
                             : avx2::pick_int(bits, st, gs);
@@ -970,6 +979,9 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("spin_us", [] { return pool.spin_us(); });
   m.def("vnni_supported", &vnni_supported);
   m.def("set_vnni", [](bool on) { vnni_on = on && vnni_supported(); });
+  m.def("avx_vnni_supported", &avx_vnni_supported);
+  m.def("set_avx_vnni", [](bool on) { avx_vnni_on = on && avx_vnni_supported(); });
+  m.def("avx_vnni", [] { return avx_vnni_on; });
   m.def("vnni", [] { return vnni_on; });
   m.def("set_pair_rows", [](int rows) { vnni::pair_min_rows = std::max(0, rows); }, "rows"_a);
   m.def("pair_rows", [] { return vnni::pair_min_rows; });
