@@ -188,7 +188,8 @@ def project(x: mx.array, layers: List[nn.Module]) -> List[mx.array]:
         and (l.group_size, l.bits, _scales_dtype(l)) == (first.group_size, first.bits, _scales_dtype(first))
         for l in layers
     ):
-        lanes = [_on_lanes(l) for l in layers]
+        int8 = qmm_ext.numerics() == "int8"  # once: it costs tens of microseconds a call
+        lanes = [int8 and _lanes(l) for l in layers]
         if all(lanes):
             return qmm_ext.qmm_lanes(x, [_lane_product(l) for l in layers], first.group_size, first.bits)
         if not any(lanes):

@@ -17,7 +17,8 @@ MTP_SERVE_QUANTIZED_MATMUL): "exact" computes the dequantized product in fp32
 values (llama.cpp's Q8_0 scheme) and sums in integers, W's rows in vector lanes and each
 block of W unpacked once for every row of x (4 and 8 bits, 2 bits stay exact; the
 extension's set_int8_group(False) keeps the earlier per-row form for benchmarks),
-cheaper per row but x loses precision. Both give each row the same
+cheaper per row but x loses precision; `qmm_lanes` runs that form on weights repacked once
+at load (`to_lanes`: no per-call transpose or unpacking, the same bits). Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 
