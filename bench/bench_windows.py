@@ -103,9 +103,10 @@ def build(shape: str, body: str, both_layouts: bool = False):
 
 
 def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
-    """form -> {"plain": median s of a plain step, T: median s of a T-token window (capture on) and its
-    commit}, after a prompt of `context` tokens; the forms alternate inside each repetition, so
-    other processes' load hits them alike (the first repetition is a warm-up)."""
+    """form -> {"plain": median s of a plain step, "kernel": median s of it inside the quantized kernel,
+    T: median s of a T-token window (capture on) and its commit}, after a prompt of `context` tokens;
+    the forms alternate inside each repetition, in reverse order every other one, so other processes'
+    load and the order hit them alike (the first repetition is a warm-up)."""
     cache = model.make_cache()
     h, _ = model.forward(mx.random.randint(0, 1000, (1, context)), cache)
     mx.eval(h, [c.state for c in cache])
@@ -114,19 +115,23 @@ def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
         x = mx.random.randint(0, 1000, (1, T))
         mx.eval(x)
         set_capture(cache, T > 1)
+        kernel[0] = qmm_ext.seconds()
         t0 = pc()
         h, logits = model.forward(x, cache)
         set_capture(cache, False)
         if T > 1:
             keep_verified(cache, [1], T)  # the commit is part of the cost
         mx.eval(h, logits, [c.state for c in cache])
-        return pc() - t0
+        t = pc() - t0
+        kernel[0] = qmm_ext.seconds() - kernel[0]
+        return t
 
-    times = {form: {k: [] for k in ("plain", *Ts)} for form in forms}
+    kernel = [0.0]
+    times = {form: {k: [] for k in ("plain", "kernel", *Ts)} for form in forms}
     for rep in range(reps + 1):
-        for form in forms:
+        for form in (forms if rep % 2 == 0 else forms[::-1]):
             use_forms(form)
-            row = {"plain": timed(1), **{T: timed(T) for T in Ts}}
+            row = {"plain": timed(1), "kernel": kernel[0], **{T: timed(T) for T in Ts}}
             if rep:
                 for k, v in row.items():
                     times[form][k].append(v)
@@ -175,6 +180,7 @@ def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
             costs[form] = {T: med[T] / step for T in args.windows}
             wins = "  ".join(f"T={T}: {c:5.2f}" for T, c in costs[form].items())
             print(f"  context {ctx:>6}, {form:>6} kernels: plain step {1e3 * step:7.1f} ms "
+                  f"(quantized kernel {1e3 * med['kernel']:.1f}) "
                   f"({bytes_per_step(model, text) / step / 1e9:5.1f} GB/s, stream {bandwidth / 1e9:.1f})   "
                   f"window in plain steps  {wins}", flush=True)
         if len(costs) == 2:
