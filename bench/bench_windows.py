@@ -1,7 +1,7 @@
 """Verify windows of T tokens in plain steps, and the products' rate against the machine's peak.
 
     python bench/bench_windows.py [--shapes 0.8b 2b 4b a3b] [--bodies fp32 8 4] [--windows 1 2 4 8 16 32]
-                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before|block]
+                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before|block|group]
 
 Random-weight models with Qwen3.5's layer shapes and real vocabulary (bench_acceptance_speed's
 SHAPES; the A3B expert layout of bench_quantized, quantized bodies only), an fp32 body or one
@@ -17,7 +17,9 @@ server's start-up calibration chooses them. Per (shape, body, context):
   over 512 MB), measured in the same run.
 With `--forms now before`, each measurement also runs on the kernels' earlier forms (fp32 windows
 of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ratio is printed;
-`--forms now block`: int8 quantized products on the block form (x rounded per 32 values) instead.
+`--forms now block`: int8 quantized products on the block form (x rounded per 32 values) instead;
+`--forms now group`: on the group form over the checkpoint's layout (each block of W transposed and
+unpacked per call) instead of the lane layout repacked at load (the model then holds both layouts).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bench_quantized import bytes_per_step, quantized_model, stream_bandwidth
 from cost_model import QWEN35_VOCAB, random_mtp_model
 from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve import skinny_gemm
+from mtp_serve.models import quantized_layers
 from mtp_serve.engine.warmup import calibrate_blas_threads
 from mtp_serve.engine.window_costs import time_window
 
@@ -66,7 +69,8 @@ def use_forms(form: str) -> None:
     """"now": the kernels as they run; "before": fp32 products of more than 8 rows on OpenBLAS and
     none on the AVX-512 forms (fp32 or quantized): how verify windows ran before those forms;
     "block": as now, but int8 quantized products on the block form (x rounded per 32 values, the
-    pair form from 4 rows) instead of the group form."""
+    pair form from 4 rows) instead of the group form; "group": the group form over the original layout
+    instead of the lanes (every form but "now" computes on the original layout)."""
     before = form == "before"
     skinny_gemm.set_max_rows(8 if before else 64)
     skinny_gemm.set_wide_rows(0 if before else 2)
@@ -74,35 +78,51 @@ def use_forms(form: str) -> None:
     if ext is not None and hasattr(ext, "set_pair_rows"):
         ext.set_pair_rows(0 if before else 4)
     if ext is not None and hasattr(ext, "set_int8_group"):
-        ext.set_int8_group(form == "now")
+        ext.set_int8_group(form in ("now", "group"))
+    quantized_layers.set_lanes(form == "now")
 
 
-def build(shape: str, body: str):
-    """(MTPModel, text config) of `shape` with an fp32 or a quantized body."""
+def build(shape: str, body: str, both_layouts: bool = False):
+    """(MTPModel, text config) of `shape` with an fp32 or a quantized body (`both_layouts`: its quantized
+    layers keep the original layout beside the lanes, for the forms that read it)."""
     if body == "fp32":
         if shape == "a3b":
             raise SystemExit("the A3B layout is built quantized only (--bodies 8 4)")
         text = SHAPES[shape](QWEN35_VOCAB)
         return random_mtp_model(text), text
-    return quantized_model(shape, int(body))
+    if not both_layouts:
+        return quantized_model(shape, int(body))
+    os.environ["MTP_SERVE_NO_LANES"] = "1"
+    try:
+        model, text = quantized_model(shape, int(body))
+    finally:
+        del os.environ["MTP_SERVE_NO_LANES"]
+    quantized_layers.repack_lanes([m for root in (model.model, model.head) if root is not None
+                                   for _, m in root.named_modules()], keep_original=True)
+    return model, text
 
 
 def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
-    """form -> {"plain": median s of a plain step, T: median s of a T-token window (capture on) and its
-    commit}, after a prompt of `context` tokens; the forms alternate inside each repetition, so
-    other processes' load hits them alike (the first repetition is a warm-up)."""
+    """form -> {"plain": median s of a plain step, "kernel": median s of it inside the quantized kernel,
+    T: median s of a T-token window (capture on) and its commit}, after a prompt of `context` tokens;
+    the forms alternate inside each repetition, in reverse order every other one, so other processes'
+    load and the order hit them alike (the first repetition is a warm-up)."""
     cache = model.make_cache()
     h, _ = model.forward(mx.random.randint(0, 1000, (1, context)), cache)
     mx.eval(h, [c.state for c in cache])
 
     def timed(T: int) -> float:
-        return time_window(model, cache, T, pc)
+        kernel[0] = qmm_ext.seconds()
+        t = time_window(model, cache, T, pc)
+        kernel[0] = qmm_ext.seconds() - kernel[0]
+        return t
 
-    times = {form: {k: [] for k in ("plain", *Ts)} for form in forms}
+    kernel = [0.0]
+    times = {form: {k: [] for k in ("plain", "kernel", *Ts)} for form in forms}
     for rep in range(reps + 1):
-        for form in forms:
+        for form in (forms if rep % 2 == 0 else forms[::-1]):
             use_forms(form)
-            row = {"plain": timed(1), **{T: timed(T) for T in Ts}}
+            row = {"plain": timed(1), "kernel": kernel[0], **{T: timed(T) for T in Ts}}
             if rep:
                 for k, v in row.items():
                     times[form][k].append(v)
@@ -140,7 +160,7 @@ def _out(p) -> int:
 
 def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
     t0 = pc()
-    model, text = build(shape, body)
+    model, text = build(shape, body, both_layouts=args.forms != ["now"])
     calibrate_blas_threads(model, Tok())
     print(f"[{shape} {body}] built and calibrated in {pc() - t0:.0f}s (skinny sgemm on: {skinny_gemm.enabled()})",
           flush=True)
@@ -151,6 +171,7 @@ def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
             costs[form] = {T: med[T] / step for T in args.windows}
             wins = "  ".join(f"T={T}: {c:5.2f}" for T, c in costs[form].items())
             print(f"  context {ctx:>6}, {form:>6} kernels: plain step {1e3 * step:7.1f} ms "
+                  f"(quantized kernel {1e3 * med['kernel']:.1f}) "
                   f"({bytes_per_step(model, text) / step / 1e9:5.1f} GB/s, stream {bandwidth / 1e9:.1f})   "
                   f"window in plain steps  {wins}", flush=True)
         if len(costs) == 2:
@@ -176,8 +197,8 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--contexts", nargs="+", type=int, default=[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block"],
-                    help="before / block: windows on the kernels' earlier forms too, side by side (use_forms)")
+    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block", "group"],
+                    help="before / block / group: windows on the kernels' earlier forms too, side by side (use_forms)")
     args = ap.parse_args()
     load = os.getloadavg()
     bandwidth = stream_bandwidth()

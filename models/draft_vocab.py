@@ -26,7 +26,7 @@ from typing import Iterable, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .quantized_layers import quantized_matmul
+from .quantized_layers import quantized_matmul, rows_of
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -40,9 +40,7 @@ class DraftVocab:
         if isinstance(embed_or_head, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
             self._quant = dict(group_size=embed_or_head.group_size, bits=embed_or_head.bits,
                                mode=getattr(embed_or_head, "mode", "affine"))
-            self._w = embed_or_head.weight[self.ids]
-            self._scales = embed_or_head.scales[self.ids]
-            self._biases = embed_or_head.biases[self.ids] if getattr(embed_or_head, "biases", None) is not None else None
+            self._w, self._scales, self._biases = rows_of(embed_or_head, self.ids)
             mx.eval(self._w, self._scales, self._biases if self._biases is not None else [])
         else:
             self._quant = None

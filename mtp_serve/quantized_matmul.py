@@ -17,7 +17,8 @@ MTP_SERVE_QUANTIZED_MATMUL): "exact" computes the dequantized product in fp32
 values (llama.cpp's Q8_0 scheme) and sums in integers, W's rows in vector lanes and each
 block of W unpacked once for every row of x (4 and 8 bits, 2 bits stay exact; the
 extension's set_int8_group(False) keeps the earlier per-row form for benchmarks),
-cheaper per row but x loses precision. Both give each row the same
+cheaper per row but x loses precision; `qmm_lanes` runs that form on weights repacked once
+at load (`to_lanes`: no per-call transpose or unpacking, the same bits). Both give each row the same
 bits whatever the rows beside it. Set it before the model's first step: compiled
 steps keep the numerics they traced.
 
@@ -57,7 +58,7 @@ from .skinny_gemm import _cache_dir, _cpu_has_avx2_fma
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "quantized_matmul.cpp", NATIVE / "quantized_attention.cpp", NATIVE / "gated_delta.cpp",
            NATIVE / "activations.cpp", NATIVE / "qmm_common.h", NATIVE / "qmm_int8.inc", NATIVE / "qmm_group.inc",
-           NATIVE / "CMakeLists.txt")
+           NATIVE / "qmm_lanes.inc", NATIVE / "CMakeLists.txt")
 MODULE = "_mtp_qmm"
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -152,6 +153,8 @@ def load() -> Optional[ModuleType]:
                     _EXT = ext
                     if os.environ.get("MTP_SERVE_NO_VNNI") == "1":
                         ext.set_vnni(False)  # the AVX2 form (the same bits, slower 8-bit windows)
+                    if os.environ.get("MTP_SERVE_NO_AVX_VNNI") == "1":
+                        ext.set_avx_vnni(False)  # AVX2's maddubs/madd instead of AVX-VNNI (the same bits)
                     user = os.environ.get("OPENBLAS_NUM_THREADS", "")
                     ext.set_threads(_threads or (int(user) if user.isdigit() else os.cpu_count() or 1))
                 else:
@@ -175,7 +178,9 @@ def status() -> str:
 
 
 def _kernel_line() -> str:
-    vnni = " on AVX-512 VNNI" if numerics() == "int8" and _EXT.vnni() else ""
+    vnni = ""
+    if numerics() == "int8":
+        vnni = " on AVX-512 VNNI" if _EXT.vnni() else " on AVX-VNNI" if _EXT.avx_vnni() else ""
     return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics{vnni}"
 
 
@@ -264,6 +269,49 @@ def qmm_multi(x: mx.array, weights: list, group_size: int, bits: int) -> list:
     dtype: one node and one dispatch to the threads, each result the bits of its own `qmm`."""
     xf = x if x.dtype == mx.float32 else x.astype(mx.float32)
     ys = _EXT.qmm_rows_multi(xf, [tuple(t) for t in weights], group_size, bits, numerics() == "int8")
+    return ys if x.dtype == mx.float32 else [y.astype(x.dtype) for y in ys]
+
+
+# Rows of W a block of the lane layout (the AVX-512 form's vector lanes).
+LANES = 16
+
+
+def lanes_supported(bits: int) -> bool:
+    """Weights of these bits can be repacked to the lane layout (int8 numerics' group form)."""
+    return _EXT is not None and hasattr(_EXT, "qmm_lanes") and bits in (4, 8)
+
+
+def to_lanes(a: mx.array) -> mx.array:
+    """[N, C] (a packed weight's uint32 words, or its scales or biases) -> [ceil(N/16), C, 16]: per block
+    of 16 rows, column c of each row side by side; the last block padded with copies of row N-1."""
+    N, C = a.shape
+    pad = -N % LANES
+    if pad:
+        a = mx.concatenate([a, mx.broadcast_to(a[N - 1:N], (pad, C))], axis=0)
+    return mx.contiguous(a.reshape(-1, LANES, C).transpose(0, 2, 1))
+
+
+def from_lanes(a: mx.array, n0: int, n1: int) -> mx.array:
+    """Rows [n0, n1) of the original [N, C] array from its lane layout (a copy of those rows only)."""
+    b0, b1 = n0 // LANES, -(-n1 // LANES)
+    rows = a[b0:b1].transpose(0, 2, 1).reshape(-1, a.shape[1])
+    return rows[n0 - b0 * LANES:n1 - b0 * LANES]
+
+
+def take_lanes(a: mx.array, ids: mx.array) -> mx.array:
+    """Rows `ids` (any shape) of the original [N, C] array from its lane layout -> [*ids.shape, C]."""
+    C = a.shape[1]
+    flat = ids.reshape(-1, 1).astype(mx.uint32)
+    # element (r, c) sits at (r // 16) * C * 16 + c * 16 + r % 16: one index per element taken
+    at = (flat // LANES) * (C * LANES) + flat % LANES + mx.arange(0, C * LANES, LANES, dtype=mx.uint32)
+    return mx.take(a.reshape(-1), at).reshape(*ids.shape, C)
+
+
+def qmm_lanes(x: mx.array, weights: list, group_size: int, bits: int) -> list:
+    """`qmm` (int8 numerics) of one x against weights in the lane layout, each (w, scales, biases, N) as
+    `to_lanes` made them: one node, each row the bits the group form gives it on the original layout."""
+    xf = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    ys = _EXT.qmm_lanes(xf, [tuple(t) for t in weights], group_size, bits)
     return ys if x.dtype == mx.float32 else [y.astype(x.dtype) for y in ys]
 
 

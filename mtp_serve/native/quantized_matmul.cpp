@@ -42,6 +42,7 @@
 // pair's rows; pairs are grouped by expert so one expert's weights are read
 // once for every row routed to it.
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -503,6 +504,7 @@ SpanFn pick_pairs(int bits, int st, int gs) { return bits == 4 ? pick_pairs_st<4
 #undef QMM_INT8_VNNI
 
 #include "qmm_group.inc"
+#include "qmm_lanes.inc"
 
 // The int8 numerics' form: per group of W (qmm_group.inc, the default) or per block of 32 (the
 // forms above; benchmarks compare).
@@ -514,6 +516,14 @@ bool vnni_supported() {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
 bool vnni_on = vnni_supported();  // set_vnni(False): the AVX2 form (tests compare the two)
+
+// AVX-VNNI (CPUID leaf 7 subleaf 1, EAX bit 4): 256-bit vpdpbusd on chips without AVX-512 (Intel client
+// cores); the group and lane forms' AVX2 path sums with it, the same bits (qmm_group.inc).
+bool avx_vnni_supported() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1) && __builtin_cpu_supports("avx2");
+}
+bool avx_vnni_on = avx_vnni_supported();  // used where AVX-512 VNNI is not (set_vnni(False) on a chip with both)
 
 // ------------------------------------------------------------------ thread pool
 
@@ -629,32 +639,39 @@ struct Segment {
   float* out;
 };
 
-void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool int8, const std::vector<Segment>& segs) {
+// lanes: the segments' weights, scales and biases are in the lane layout (qmm_lanes.inc; int8 numerics,
+// 4 or 8 bits); threads then split W at blocks of 16 rows.
+void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool int8, const std::vector<Segment>& segs,
+             bool lanes = false) {
   const auto t0 = std::chrono::steady_clock::now();
   Prep prep;
   PrepI8 prep8;
   PrepG prepg;
   int8 = int8 && (bits == 4 || bits == 8);  // 2 bits: the exact kernel
-  const bool vnni = int8 && vnni_on, group = int8 && int8_group;
-  if (group) prepg.build(x, xrows, K, gs, bits, !vnni && bits == 8);
+  if (lanes && !int8) throw std::invalid_argument("mtp qmm: the lane layout takes int8 numerics at 4 or 8 bits");
+  const bool vnni = int8 && vnni_on, group = int8 && (int8_group || lanes), dp = int8 && !vnni && avx_vnni_on;
+  if (group) prepg.build(x, xrows, K, gs, bits, !vnni && !dp && bits == 8);
   else if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = group  ? pick_group(bits, st, vnni)
+  const SpanFn fn = lanes  ? pick_lanes(bits, st, vnni, dp)
+                    : group  ? pick_group(bits, st, vnni, dp)
                     : !int8 ? pick(bits, st, gs)
                     : vnni  ? vnni::pick_pairs(bits, st, gs)
                             : avx2::pick_int(bits, st, gs);
   const void* pp = group  ? static_cast<const void*>(&prepg)
                    : int8 ? static_cast<const void*>(&prep8)
                           : static_cast<const void*>(&prep);
+  const long align = lanes ? 16 : 1;  // a part starts at a block
+  auto padded = [&](long N) { return (N + align - 1) / align * align; };
   long units = 0;
-  for (const auto& sg : segs) units += sg.N;
+  for (const auto& sg : segs) units += padded(sg.N);
   auto part = [&](int p, int parts) {
-    const long u0 = units * p / parts, u1 = units * (p + 1) / parts;
+    const long u0 = units / align * p / parts * align, u1 = units / align * (p + 1) / parts * align;
     long base = 0;  // the first unit of segment i
     for (const auto& sg : segs) {
-      const long n0 = std::max(u0, base) - base, n1 = std::min(u1, base + sg.N) - base;
+      const long n0 = std::max(u0, base) - base, n1 = std::min(u1, base + padded(sg.N)) - base;
       if (n0 < n1) fn(Job{pp, sg.w, sg.scales, sg.biases, sg.rows.data(), int(sg.rows.size()), sg.N, sg.out}, n0, n1);
-      base += sg.N;
+      base += padded(sg.N);
     }
   };
   const long work = units * K;
@@ -792,6 +809,56 @@ class QuantizedMatmulMulti : public mx::Primitive {
   bool int8_;
 };
 
+// Products of one x against weights in the lane layout (inputs x, then w, scales, biases of each; qmm_lanes.inc),
+// int8 numerics: one node, x prepared once, one dispatch. N of each product is given (its last block is padded).
+class QuantizedMatmulLanes : public mx::Primitive {
+ public:
+  QuantizedMatmulLanes(mx::Stream s, int group_size, int bits, std::vector<long> ns)
+      : mx::Primitive(s), gs_(group_size), bits_(bits), ns_(std::move(ns)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = claim_outputs(stream(), inputs, outputs);
+    const auto& x = inputs[0];
+    const long K = x.shape(-1), xrows = x.size() / K;
+    const int st = scale_type(inputs[2].dtype());
+    std::vector<RowMajor> in(inputs.begin(), inputs.end());
+    std::vector<float*> outs;
+    for (auto& o : outputs) outs.push_back(o.data<float>());
+    enc.dispatch([in = std::move(in), outs, ns = ns_, xrows, K, st, gs = gs_, bits = bits_]() {
+      std::vector<Segment> segs;
+      for (size_t i = 0; i < outs.size(); i++)
+        segs.push_back({in[1 + 3 * i].get<uint32_t>(), in[2 + 3 * i].get<char>(), in[3 + 3 * i].get<char>(), ns[i],
+                        all_rows(xrows), outs[i]});
+      compute(in[0].get<float>(), xrows, int(K), st, gs, bits, true, segs, true);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mtp qmm: CPU only");
+  }
+
+  const char* name() const override { return "MtpQMMLanes"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmulLanes&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_ && ns_ == o.ns_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes;
+    for (long n : ns_) {
+      mx::Shape shape = inputs[0].shape();
+      shape.back() = int(n);
+      shapes.push_back(shape);
+    }
+    return shapes;
+  }
+
+ private:
+  int gs_, bits_;
+  std::vector<long> ns_;
+};
+
 void check(const mx::array& x, const mx::array& w, const mx::array& sc, const mx::array& bi, int gs, int bits,
            int wdims) {
   if (bits != 2 && bits != 4 && bits != 8) throw std::invalid_argument("mtp qmm: bits must be 2, 4 or 8");
@@ -848,6 +915,42 @@ mx::array gather_qmm_rows(const mx::array& x, const mx::array& w, const mx::arra
                    {x, w, scales, biases, idx});
 }
 
+// x [..., K] float32 against weights in the lane layout, each (w [N/16, K*bits/32, 16] uint32, scales and
+// biases [N/16, G, 16], N) -> one [..., N] float32 each; int8 numerics, bits 4 or 8.
+std::vector<mx::array> qmm_lanes(const mx::array& x, const std::vector<std::tuple<mx::array, mx::array, mx::array, long>>& ws,
+                                 int group_size, int bits) {
+  if (ws.empty()) throw std::invalid_argument("mtp qmm: no weights");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("mtp qmm lanes: bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("mtp qmm: group_size must be 32, 64 or 128");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("mtp qmm: x must be float32");
+  const int K = x.shape(-1);
+  std::vector<mx::array> in = {x};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  std::vector<long> ns;
+  for (const auto& [w, sc, bi, N] : ws) {
+    if (w.dtype() != mx::uint32 || w.ndim() != 3 || w.shape(2) != 16 || long(w.shape(1)) * (32 / bits) != K ||
+        K % (8 * (32 / bits)) != 0 || K % group_size != 0)
+      throw std::invalid_argument("mtp qmm lanes: bad lane weight for this x");
+    if (N <= long(w.shape(0) - 1) * 16 || N > long(w.shape(0)) * 16) throw std::invalid_argument("mtp qmm lanes: bad N");
+    if (sc.shape() != bi.shape() || sc.dtype() != bi.dtype() || sc.ndim() != 3 || sc.shape(0) != w.shape(0) ||
+        sc.shape(1) != K / group_size || sc.shape(2) != 16)
+      throw std::invalid_argument("mtp qmm lanes: scales/biases do not match the weight");
+    if (sc.dtype() != std::get<1>(ws[0]).dtype()) throw std::invalid_argument("mtp qmm: one scale dtype for all weights");
+    scale_type(sc.dtype());
+    in.insert(in.end(), {w, sc, bi});
+    mx::Shape shape = x.shape();
+    shape.back() = int(N);
+    shapes.push_back(shape);
+    dtypes.push_back(mx::float32);
+    ns.push_back(N);
+  }
+  auto s = mx::to_stream({});
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<QuantizedMatmulLanes>(s, group_size, bits, std::move(ns)), std::move(in));
+}
+
 bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -868,6 +971,7 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("qmm_rows_multi", &qmm_rows_multi, "x"_a, "weights"_a, "group_size"_a, "bits"_a, "int8"_a = false);
   m.def("gather_qmm_rows", &gather_qmm_rows, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, "rows_per_pair"_a,
         "group_size"_a, "bits"_a, "int8"_a = false);
+  m.def("qmm_lanes", &qmm_lanes, "x"_a, "weights"_a, "group_size"_a, "bits"_a);
   m.def("cpu_supported", &cpu_supported);
   m.def("set_threads", [](int n) { pool.set_threads(n); });
   m.def("threads", [] { return pool.threads(); });
@@ -875,6 +979,9 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("spin_us", [] { return pool.spin_us(); });
   m.def("vnni_supported", &vnni_supported);
   m.def("set_vnni", [](bool on) { vnni_on = on && vnni_supported(); });
+  m.def("avx_vnni_supported", &avx_vnni_supported);
+  m.def("set_avx_vnni", [](bool on) { avx_vnni_on = on && avx_vnni_supported(); });
+  m.def("avx_vnni", [] { return avx_vnni_on; });
   m.def("vnni", [] { return vnni_on; });
   m.def("set_pair_rows", [](int rows) { vnni::pair_min_rows = std::max(0, rows); }, "rows"_a);
   m.def("pair_rows", [] { return vnni::pair_min_rows; });
