@@ -47,7 +47,9 @@ def build(out: Path) -> Path:
     hf, q4 = out / "hf", out / "q4"
     write_synthetic_checkpoint(hf, "qwen3_5", dtype=mx.bfloat16, max_shard_tensors=200, **qwen35_08b_text(QWEN35_VOCAB))
     subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(hf), "--mlx-path", str(q4), "-q"], check=True)
-    subprocess.run([sys.executable, "-m", "mtp_serve.cli.graft", "--from", str(hf), "--into", str(q4)], check=True)
+    graft = subprocess.run([sys.executable, "-m", "mtp_serve.cli.graft", "--from", str(hf), "--into", str(q4)])
+    if graft.returncode not in (0, 3):  # 3: the head's drafts never land, as on random weights
+        raise SystemExit(f"mtp-graft failed ({graft.returncode})")
     return q4
 
 
