@@ -411,6 +411,7 @@ def test_a_4bit_mlx_community_body_with_a_grafted_head_gives_plain_greedy(checkp
     from mtp_serve.cli import graft
     from mtp_serve.engine.generator import generate
     from mtp_serve.engine.sampling import SamplingParams
+    from mtp_serve.models.mlx_lm_compat import QuantizedSwitchLinear
     from mtp_serve.testing.mlx_community import write_mlx_community
 
     src = checkpoint_dir("qwen4_exp", agreeable=True)
@@ -418,7 +419,8 @@ def test_a_4bit_mlx_community_body_with_a_grafted_head_gives_plain_greedy(checkp
     names = load_weights(out)
     assert "model.layers.0.mlp.switch_mlp.gate_proj.scales" in names and "model.layers.0.mlp.gate.scales" not in names
     layer = load_model(str(out)).model.model.layers[0]
-    assert "scales" in layer.mlp.switch_mlp.gate_proj and "scales" in layer.attn_hyper_connection.input_mix_weight_down
+    assert isinstance(layer.mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    assert isinstance(layer.attn_hyper_connection.input_mix_weight_down, nn.QuantizedLinear)
     assert type(layer.mlp.gate) is nn.Linear
     assert graft.main(["--from", str(src), "--into", str(out), "--no-verify"]) == 0
     lm = load_model(str(out))
