@@ -41,7 +41,7 @@ from mtp_serve import quantized_matmul as qmm_ext
 from mtp_serve import skinny_gemm
 from mtp_serve.models import quantized_layers
 from mtp_serve.engine.warmup import calibrate_blas_threads
-from mtp_serve.engine.window_costs import time_window
+from mtp_serve.engine.window_costs import prefilled_cache, time_window
 
 PROMPT_AT_ZERO = 16
 
@@ -107,9 +107,7 @@ def window_seconds(model, context: int, forms, Ts, reps: int) -> dict:
     T: median s of a T-token window (capture on) and its commit}, after a prompt of `context` tokens;
     the forms alternate inside each repetition, in reverse order every other one, so other processes'
     load and the order hit them alike (the first repetition is a warm-up)."""
-    cache = model.make_cache()
-    h, _ = model.forward(mx.random.randint(0, 1000, (1, context)), cache)
-    mx.eval(h, [c.state for c in cache])
+    cache = prefilled_cache(model, context)
 
     def timed(T: int) -> float:
         kernel[0] = qmm_ext.seconds()

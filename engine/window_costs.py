@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import mlx.core as mx
 
@@ -31,6 +31,14 @@ def window_buckets(copy_max: int = MAX_COPY) -> List[int]:
     return out
 
 
+def prefilled_cache(model: Any, context: int) -> List[Any]:
+    """A fresh cache after a prompt of `context` random tokens."""
+    cache = model.make_cache()
+    h, _ = model.forward(mx.random.randint(0, min(1000, model.vocab_size), (1, context)), cache, last_logits=True)
+    mx.eval(h, [c.state for c in cache])
+    return cache
+
+
 def time_window(model: Any, cache: List[Any], T: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of one backbone forward of T tokens over `cache` and its commit (a verify
     window that keeps one token, GatedDeltaNet state capture on for T > 1): the cache grows
@@ -47,15 +55,12 @@ def time_window(model: Any, cache: List[Any], T: int, clock: Callable[[], float]
     return clock() - t0
 
 
-def measure_window_costs(model: Any, buckets: Optional[List[int]] = None, context: int = 256, reps: int = 3,
-                         copy_max: int = MAX_COPY) -> Dict[int, float]:
+def measure_window_costs(model: Any, context: int = 256, reps: int = 3, copy_max: int = MAX_COPY) -> Dict[int, float]:
     """Window bucket -> cost of its longest window used (at most copy_max + 1 tokens) in plain
     steps (medians over `reps`, a plain step timed beside each window so load hits both
     alike), after a prompt of `context` random tokens. The first repetition only warms up."""
-    buckets = buckets or window_buckets(copy_max)
-    cache = model.make_cache()
-    h, _ = model.forward(mx.random.randint(0, min(1000, model.vocab_size), (1, context)), cache, last_logits=True)
-    mx.eval(h, [c.state for c in cache])
+    buckets = window_buckets(copy_max)
+    cache = prefilled_cache(model, context)
     ratios: Dict[int, List[float]] = {w: [] for w in buckets}
     for rep in range(reps + 1):
         for w in buckets:

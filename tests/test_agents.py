@@ -270,7 +270,7 @@ def test_opencode_two_turns_vision_language(vision_language_server, tmp_path):
 
 
 def test_opencode_two_turns_demo_model(demo_server, tmp_path):
-    """With the session's title given: opencode's own title request (an 841-token prompt) ran
-    beside the first turn, and the demo model answered it with some 3,000 tokens of Python before
-    its end token; the synthetic tests above keep that request (and its cancelling)."""
+    """With the session's title given, so opencode sends no title request: the demo model answers
+    that 841-token request with thousands of tokens beside the first turn. The synthetic tests
+    above send it (and cancel it)."""
     run_agent("opencode", demo_server, tmp_path, title="Say hello")

@@ -85,6 +85,23 @@ def int8_form(group):
     return kernel_setting("int8_group", group)
 
 
+@contextmanager
+def group_mutation():
+    """The group form mutated to add a window's bias term before its scaled sums (rows of several-row
+    blocks only): a negative control the row checks must catch."""
+    ext = qmm_ext.load()
+    ext.set_group_mutation(True)
+    try:
+        yield
+    finally:
+        ext.set_group_mutation(False)
+
+
+def rows_differing(alone, windows) -> list:
+    """The window sizes M whose rows are not bit for bit the first M rows computed alone."""
+    return [M for M, together in windows if not mx.array_equal(together, alone[:M]).item()]
+
+
 def int8_reference(x, w, s, b, gs, bits):
     """The int8 scheme in numpy, float64 after the integer sums: x [M, K] -> [M, N]. x is rounded per
     block of 32 values (the group form's default and the block form), or of `gs` (the group form with
@@ -358,17 +375,11 @@ def test_group_form_windows_of_1_to_64_rows_keep_each_rows_bits(bits, gs, vnni, 
 def test_group_form_row_check_catches_a_window_that_sums_in_another_order(vnni):
     """Negative control: with the kernel mutated to add a window's bias term before its scaled sums (rows
     of several-row blocks only), the windows check above finds rows whose bits differ from the row alone."""
-    ext = qmm_ext.load()
-    if vnni and not ext.vnni_supported():
+    if vnni and not qmm_ext.load().vnni_supported():
         pytest.skip("no AVX-512 VNNI here")
-    try:
-        ext.set_group_mutation(True)
-        with kernel_setting("vnni", vnni), numerics("int8"), int8_form(True):
-            alone, windows = _group_form_windows(4, 64, mx.bfloat16, seed=2)
-            differ = [M for M, together in windows if not mx.array_equal(together, alone[:M]).item()]
-        assert differ and 1 not in differ, differ
-    finally:
-        ext.set_group_mutation(False)
+    with group_mutation(), kernel_setting("vnni", vnni), numerics("int8"), int8_form(True):
+        differ = rows_differing(*_group_form_windows(4, 64, mx.bfloat16, seed=2))
+    assert differ and 1 not in differ, differ
 
 
 @needs_kernel
