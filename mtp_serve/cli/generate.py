@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     depth.add_argument("--mtp-depth", type=int, help="most drafts per round (default: the model card's); the depth "
                        "of each round is chosen up to it from measured costs and acceptance, as mtp-serve does")
     depth.add_argument("--no-mtp", action="store_true", help="plain decoding")
-    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round")
+    p.add_argument("--fixed-depth", action="store_true", help="draft exactly --mtp-depth tokens every round, and copy drafts "
+                   "wherever a copy is expected to emit more than the head, not by measured times (a run repeats exactly)")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="draft from the checkpoint's N most frequent tokens "
                    "(its draft_vocab.json; default: the model card's draft_vocab_size, 0: the whole vocabulary)")
     p.add_argument("--draft-head-bits", type=int, choices=(0, 4, 8), help="draft from the head quantized to 4 or 8 bits "
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
 
     text, ids, chunk = [], [], None
-    policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth, window_prior=dict(lm.card.window_costs))
+    policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth, timed_copies=not args.fixed_depth,
+                         window_prior=dict(lm.card.window_costs))
     for chunk in generate(lm.model, tok, prompt_ids, params, depth, policy=policy):
         ids += chunk.token_ids
         text.append(chunk.text)
