@@ -26,7 +26,7 @@ that doubles while whole copies land and falls to what landed when one is cut sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -112,6 +112,9 @@ class CopyCap:
 
     limit: int = 8
     rates: Dict[int, float] = field(default_factory=lambda: dict(PRIOR_RATE))
+    # This round's match that the row did not copy (its order and tokens), to be checked
+    # against what the round emits: a row learns its rates without paying a window for them.
+    passed: Optional[Tuple[int, List[int]]] = None
 
     def expected_tokens(self, order: int, length: int) -> float:
         """Tokens a round copying `length` tokens of a match of `order` emits on average
@@ -125,11 +128,29 @@ class CopyCap:
         for n, prior in PRIOR_RATE.items():
             self.rates[n] += RATE_RECOVERY * (prior - self.rates[n])
 
+    def pass_over(self, order: int, chain: List[int]) -> None:
+        """A round that could have copied `chain` (a match of `order`) and drafts otherwise."""
+        self.passed = (order, chain)
+
+    def settle(self, emitted: List[int]) -> None:
+        """After the round: the passed-over match scored against the tokens it emitted, as if
+        it had been copied (a copied token lands with the probability that the target emits
+        it, so this is the same evidence a copy gives, for the tokens the round reached)."""
+        if self.passed is None:
+            return
+        (order, chain), self.passed = self.passed, None
+        compared = min(len(chain), len(emitted))
+        landed = next((j for j in range(compared) if chain[j] != emitted[j]), compared)
+        self._update_rate(order, compared, landed)
+
     def observe(self, order: int, drafted: int, accepted: int, most: int = MAX_COPY) -> None:
-        if order in self.rates:  # (0: a chain the scheduler did not match, e.g. given to the round directly)
-            trials = accepted + (accepted < drafted)  # the landed ones, and the one that did not
-            self.rates[order] += RATE_EMA * (accepted / trials - self.rates[order])
+        self._update_rate(order, drafted, accepted)
         if accepted == drafted:
             self.limit = min(most, self.limit * 2)
         else:
             self.limit = max(MIN_COPY, min(most, accepted + 1))
+
+    def _update_rate(self, order: int, drafted: int, accepted: int) -> None:
+        if order in self.rates and drafted > 0:  # (0: a chain the scheduler did not match, e.g. given to the round directly)
+            trials = accepted + (accepted < drafted)  # the landed ones, and the one that did not
+            self.rates[order] += RATE_EMA * (accepted / trials - self.rates[order])

@@ -207,6 +207,8 @@ class Scheduler(SchedulerLike):
                 accepted = run_round(self.model, self.batch, depths, self.sync, certain)
             elapsed = time.perf_counter() - t0
             out = [(s.key, s.apply(accepted.emitted(i))) for i, s in enumerate(rows)]
+            for s, emitted in zip(rows, accepted.tokens):
+                s.copy_cap.settle(emitted)
         except Exception as e:  # noqa: BLE001 - a broken round (an MLX error, out of memory) fails its rows, not the loop
             self._drop_batch()
             return [(s.key, e) for s in rows]
@@ -278,7 +280,10 @@ class Scheduler(SchedulerLike):
         if n:
             s.copy_order = order
             return chain[:n]
-        s.copy_cap.idle()
+        if chain:
+            s.copy_cap.pass_over(order, chain)
+        else:
+            s.copy_cap.idle()
         return []
 
     def _drop_batch(self) -> None:

@@ -28,7 +28,7 @@ from mtp_serve.engine.batch import Batch
 from mtp_serve.engine.prefill import prefill
 from mtp_serve.engine.sequence import new_sequence
 from mtp_serve.engine.speculative import CertainDrafts, run_round
-from mtp_serve.engine.context_drafts import ContextIndex
+from mtp_serve.engine.context_drafts import PRIOR_RATE, RATE_EMA, ContextIndex, CopyCap
 from mtp_serve.engine.generator import generate
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.sampling import SamplingParams
@@ -235,6 +235,7 @@ def run_measured(lm, prompt, copy_ms: float):
     policy.round_time[(1, 1024, 2)], policy.samples[(1, 1024, 2)] = 0.010, 10
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=None, policy=policy, copy_max=32)
     sched.add(0, prompt, SamplingParams(max_tokens=N, ignore_eos=True), 2)
+    run_measured.row = sched.seqs[0]
     out, stats = [], None
     while sched.has_work():
         for _, chunk in sched.step():
@@ -252,6 +253,30 @@ def test_copies_follow_the_measured_window_costs(loaded):
     slow, slow_stats = run_measured(lm, prompt, 10_000.0)
     assert fast == slow == plain(lm, prompt)
     assert fast_stats.copy_accepted > 0 and slow_stats.copy_drafted == 0 and sum(slow_stats.drafted) > 0
+
+
+def test_matches_left_to_the_head_still_teach_the_row_how_its_copies_land(loaded):
+    """Where copy windows measured slow the row never copies, yet each match it passed over is
+    scored against what the round emitted: here the output follows the context, so the rates
+    of the orders that matched rise above their priors (without it they stay at the priors)."""
+    lm = loaded("qwen3_5", agreeable=True)
+    _, stats = run_measured(lm, copying_prompt(lm), 10_000.0)
+    rates = run_measured.row.copy_cap.rates
+    assert stats.copy_drafted == 0
+    assert max(rates[n] - PRIOR_RATE[n] for n in PRIOR_RATE) > 0.01, rates
+
+
+def test_a_passed_over_match_counts_as_a_copy_of_the_tokens_the_round_reached():
+    cap = CopyCap()
+    cap.pass_over(3, [5, 6, 7, 8])
+    cap.settle([5, 6, 9])  # two land, the third is not what the round emitted
+    assert cap.rates[3] == pytest.approx(PRIOR_RATE[3] + RATE_EMA * (2 / 3 - PRIOR_RATE[3]))
+    cap.pass_over(8, [1, 2])
+    cap.settle([1, 2, 3, 4])  # both land
+    assert cap.rates[8] == pytest.approx(PRIOR_RATE[8] + RATE_EMA * (1 - PRIOR_RATE[8]))
+    before = dict(cap.rates)
+    cap.settle([1, 2])  # nothing passed over since
+    assert cap.rates == before and cap.limit == CopyCap().limit  # the length limit follows real copies only
 
 
 N_SAMPLES = 800
