@@ -6,11 +6,14 @@ block, each CLI's own default output budget (opencode and Claude Code send max_t
 which the server lowers to what the context leaves; Codex sends none).
 
 Contexts: the demo model's default (32,768) and `--max-context 16384`. opencode runs on the
-demo model itself, as the README's `mtp-serve --enable-mtp` serves it. Every agent also runs on
-a small synthetic model whose few likely tokens include EOS (opencode also on the same model as a
-vision-language checkpoint, the form real Qwen3.5/3.6 checkpoints ship in): the demo model's sampled replies to
-an agent's prompt run to thousands of tokens (minutes a turn on 2 cores), the synthetic one's end
-after a handful, so a turn costs little more than its prefill. Its tokenizer makes the agents'
+demo model itself, as the README's `mtp-serve --enable-mtp` serves it. The demo model answers an
+agent's prompt with a whole Python module, 1-5k tokens a turn at 10-20k tokens of context
+(minutes a turn on 2 cores), so there opencode's budget is its own variable
+`OPENCODE_EXPERIMENTAL_OUTPUT_TOKEN_MAX` (the README's opencode.json unchanged). Every agent also
+runs on a small synthetic model whose few likely tokens include EOS (opencode also on the same
+model as a vision-language checkpoint, the form real Qwen3.5/3.6 checkpoints ship in), with each
+CLI's default budget: its replies end after a handful of tokens, so a turn costs little more than
+its prefill. Its tokenizer makes the agents'
 prompts about 12k (opencode), 13-17k (Claude Code) and 20k (Codex) tokens: a prompt that does
 not fit 16,384 is the agent's own limit, and there the test checks the user is told so.
 Each agent's two turns run once on the synthetic text model, each at a context its prompt fits:
@@ -74,6 +77,7 @@ class Agent:
 
     endpoint = ""
     sends_budget = True  # sends max_tokens 32,000 for a model it does not know
+    output_cap = None  # its max_tokens where the test set one (Opencode.cap_output)
 
     def __init__(self, server, tmp: Path):
         self.server, self.project = server, tmp / "project"
@@ -103,6 +107,11 @@ class Opencode(Agent):
         env["PWD"] = str(self.project)  # opencode takes its project folder from $PWD
         self.bin = npm_bin("opencode", "opencode", "OPENCODE_BIN")
         return env
+
+    def cap_output(self, tokens: int) -> None:
+        """opencode's own output budget (its max_tokens) instead of its default 32,000."""
+        self.env["OPENCODE_EXPERIMENTAL_OUTPUT_TOKEN_MAX"] = str(tokens)
+        self.sends_budget, self.output_cap = False, tokens
 
     def command(self, prompt, first):
         named = ["--title", self.title] if self.title and first else []
@@ -188,6 +197,9 @@ def two_turns(agent: Agent) -> None:
     # cached, so the reuse is measured against the conversation turn 1 left behind.
     assert prompt2 > 5000 and cached2 > 0.8 * min(prompt2, prompt1), (cached2, prompt2, prompt1)
     assert server.service.engine.active_count == 0
+    if agent.output_cap:  # every request kept to the budget the agent was given
+        requests = served_ok(after2, endpoint) - served_ok(before, endpoint)
+        assert delta(after2, before, "mtp_completion_tokens_total") <= agent.output_cap * requests, after2
 
 
 def context_refused(agent: Agent) -> None:
@@ -240,10 +252,12 @@ def demo_server():
 PROMPT_OVER_16K = ("codex",)
 
 
-def run_agent(name: str, server, tmp_path, title: Optional[str] = None) -> None:
+def run_agent(name: str, server, tmp_path, title: Optional[str] = None, output_cap: Optional[int] = None) -> None:
     agent = AGENTS[name](server, tmp_path)
     if title:
         agent.title = title
+    if output_cap:
+        agent.cap_output(output_cap)
     try:
         if server.service.max_context < DEMO_CONTEXT and name in PROMPT_OVER_16K:
             context_refused(agent)
@@ -269,8 +283,14 @@ def test_opencode_two_turns_vision_language(vision_language_server, tmp_path):
     run_agent("opencode", vision_language_server, tmp_path)
 
 
+# opencode's budget on the demo model: enough for a reply to run for many MTP rounds; a whole
+# module (the demo model's answer to any request) would take minutes a turn.
+DEMO_OUTPUT_CAP = 256
+
+
 def test_opencode_two_turns_demo_model(demo_server, tmp_path):
     """With the session's title given, so opencode sends no title request: the demo model answers
     that 841-token request with thousands of tokens beside the first turn. The synthetic tests
-    above send it (and cancel it)."""
-    run_agent("opencode", demo_server, tmp_path, title="Say hello")
+    above send it (and cancel it). opencode's output budget is its own variable (DEMO_OUTPUT_CAP):
+    the 32,000 it sends by default, lowered by the server, runs the synthetic tests above."""
+    run_agent("opencode", demo_server, tmp_path, title="Say hello", output_cap=DEMO_OUTPUT_CAP)
