@@ -305,20 +305,27 @@ def sampled_prompt(lm):
     return P + plain(lm, P, 8) + P
 
 
-def distribution_pvalues(lm, prompt, seqs):
-    ref, _, _ = sample_many(lm, prompt, copy=False)
+@pytest.fixture(scope="module")
+def plain_reference(loaded):
+    """Plain sampling's samples after the copy prompt: one reference for the test and its
+    negative control (both compare against the same plain distribution)."""
+    lm = loaded("qwen3_5", agreeable=True)
+    prompt = sampled_prompt(lm)
+    return lm, prompt, sample_many(lm, prompt, copy=False)[0]
+
+
+def distribution_pvalues(ref, seqs):
     ps = [chi2_pvalue([s[j] for s in ref], [s[j] for s in seqs]) for j in range(1, N_POS + 1)]
     ps.append(chi2_pvalue([s[1:3] for s in ref], [s[1:3] for s in seqs]))
     return ps
 
 
 @pytest.mark.distribution
-def test_sampled_copies_have_the_plain_distribution(loaded):
-    lm = loaded("qwen3_5", agreeable=True)
-    prompt = sampled_prompt(lm)
+def test_sampled_copies_have_the_plain_distribution(plain_reference):
+    lm, prompt, ref = plain_reference
     seqs, accepted, drafted = sample_many(lm, prompt, copy=True)
     assert accepted >= 100 and drafted - accepted >= 100, f"{accepted}/{drafted}: accept and reject paths must both run"
-    ps = distribution_pvalues(lm, prompt, seqs)
+    ps = distribution_pvalues(ref, seqs)
     assert min(ps) > 0.001, ps
 
 
@@ -339,14 +346,13 @@ def wrong_residual(drafts, p_logprobs, q_logprobs, rng):
 
 
 @pytest.mark.distribution
-def test_chi_square_catches_a_wrong_residual(loaded, monkeypatch):
-    lm = loaded("qwen3_5", agreeable=True)
-    prompt = sampled_prompt(lm)
+def test_chi_square_catches_a_wrong_residual(plain_reference, monkeypatch):
+    lm, prompt, ref = plain_reference
     monkeypatch.setattr(speculative, "rejection_sample", wrong_residual)
     seqs, accepted, drafted = sample_many(lm, prompt, copy=True)
     monkeypatch.undo()
     assert drafted - accepted >= 100
-    assert min(distribution_pvalues(lm, prompt, seqs)) < 0.001
+    assert min(distribution_pvalues(ref, seqs)) < 0.001
 
 
 # ---------------------------------------------------------------- grammar-forced tokens

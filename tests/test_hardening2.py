@@ -475,10 +475,11 @@ def test_a_lookup_survives_a_corrupt_file_that_cannot_be_removed(loaded, tmp_pat
 @E2E
 def test_ctrl_c_and_sigterm_exit_0_after_draining(sig, disk, tmp_path):
     """`mtp-serve` on the demo model, a request streaming when the signal comes: it drains, the
-    disk cache saves its index, and the process exits 0 without a C++ abort."""
+    disk cache saves its index, and the process exits 0 without a C++ abort. (A short
+    --shutdown-grace: the request outlasts any grace, and test_hardening3 times the grace itself.)"""
     from mtp_serve.testing.server_process import ServerProcess
 
-    args = ["--prompt-cache-dir", tmp_path / "cache"] if disk else []
+    args = ["--shutdown-grace", 1] + (["--prompt-cache-dir", tmp_path / "cache"] if disk else [])
     s = ServerProcess(args)
     try:
         body = {"model": "", "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from support.server import SCRIPT, SCRIPT_TEMPLATE
+from support.server import SCRIPT, SCRIPT_TEMPLATE, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -112,15 +112,18 @@ def test_reasoning_budget_and_one_count_per_request(scripted, scripted_checkpoin
     assert ok_count(scripted.root, path) == before + 3
 
 
-def test_budget_never_passes_the_context(scripted, scripted_checkpoint):
-    """A prompt that leaves 7 tokens of the context, with a budget of 6: at most 7 come back."""
-    info = httpx.get(scripted.root + "/v1/models", timeout=30).json()["data"][0]
-    context = info["max_model_len"]
-    ids = AutoTokenizer.from_pretrained(str(scripted_checkpoint)).encode(hi_text(scripted_checkpoint))
-    room = 7
-    padded = [ids[0]] * (context - room - len(ids)) + ids  # the same ending: the think block still opens
-    r = httpx.post(scripted.root + "/v1/completions", json={"model": MODEL, "prompt": padded, "max_tokens": 32,
-                                                           "thinking_token_budget": 6, "temperature": 0}, timeout=300)
+def test_budget_never_passes_the_context(scripted_checkpoint):
+    """A prompt that leaves 7 tokens of the context, with a budget of 6: at most 7 come back.
+    (Its own server with a short --max-context: the prompt fills the context, prefilled whole.)"""
+    with serve(scripted_checkpoint, max_context=512) as server:
+        info = httpx.get(server.root + "/v1/models", timeout=30).json()["data"][0]
+        context = info["max_model_len"]
+        ids = AutoTokenizer.from_pretrained(str(scripted_checkpoint)).encode(hi_text(scripted_checkpoint))
+        room = 7
+        padded = [ids[0]] * (context - room - len(ids)) + ids  # the same ending: the think block still opens
+        r = httpx.post(server.root + "/v1/completions", json={"model": MODEL, "prompt": padded, "max_tokens": 32,
+                                                              "thinking_token_budget": 6, "temperature": 0}, timeout=300)
+    assert context == 512
     assert r.status_code == 200, r.text
     u = r.json()["usage"]
     assert u["prompt_tokens"] + u["completion_tokens"] <= context and u["completion_tokens"] <= room, u
