@@ -117,10 +117,19 @@ def test_constrained_sampling_matches_constrained_plain_distribution(loaded):
     prompt, n = [11, 22, 33, 44, 55], 500
 
     def sample(depth):
+        # One scheduler serves the n requests one after the other, as the server's does (its
+        # grammar compiler, built once, is most of what a scheduler per request would cost).
+        sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=None,
+                          policy=DepthPolicy(max_depth=depth, fixed=True))  # as generate() makes it
         outs, drafted, accepted = [], 0, 0
-        for _ in range(n):
+        for i in range(n):
             # (4 tokens: the round after the first may emit the other 3, so it drafts 2)
-            toks, _, stats = run(lm, prompt, SamplingParams(max_tokens=4, temperature=1.0, constraint=constraint), depth)
+            sched.add(i, prompt, SamplingParams(max_tokens=4, temperature=1.0, constraint=constraint), depth)
+            toks, stats = [], None
+            while sched.has_work():
+                for _, chunk in sched.step():
+                    assert not isinstance(chunk, Exception), chunk
+                    toks, stats = toks + chunk.token_ids, chunk.stats
             outs.append(toks)
             drafted, accepted = drafted + sum(stats.drafted), accepted + sum(stats.accepted)
         return outs, accepted, drafted
