@@ -29,7 +29,6 @@ from mtp_serve.engine.prefill import prefill
 from mtp_serve.engine.sequence import new_sequence
 from mtp_serve.engine.speculative import CertainDrafts, run_round
 from mtp_serve.engine.context_drafts import PRIOR_RATE, RATE_EMA, ContextIndex, CopyCap
-from mtp_serve.engine.generator import generate
 from mtp_serve.engine.policy import DepthPolicy
 from mtp_serve.engine.sampling import SamplingParams
 from mtp_serve.engine.scheduler import Scheduler
