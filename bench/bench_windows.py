@@ -1,7 +1,7 @@
 """Verify windows of T tokens in plain steps, and the products' rate against the machine's peak.
 
     python bench/bench_windows.py [--shapes 0.8b 2b 4b a3b] [--bodies fp32 8 4] [--windows 1 2 4 8 16 32]
-                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before|block|group]
+                                  [--contexts 0 8192 32768] [--reps 5] [--forms now before|block|group|vnni]
 
 Random-weight models with Qwen3.5's layer shapes and real vocabulary (bench_acceptance_speed's
 SHAPES; the A3B expert layout of bench_quantized, quantized bodies only), an fp32 body or one
@@ -19,7 +19,8 @@ With `--forms now before`, each measurement also runs on the kernels' earlier fo
 of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ratio is printed;
 `--forms now block`: int8 quantized products on the block form (x rounded per 32 values) instead;
 `--forms now group`: on the group form over the checkpoint's layout (each block of W transposed and
-unpacked per call) instead of the lane layout repacked at load (the model then holds both layouts).
+unpacked per call) instead of the lane layout repacked at load (the model then holds both layouts);
+`--forms now vnni`: the lanes with every product on vpdpbusd (AMX off, where the CPU has AMX).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def use_forms(form: str) -> None:
     none on the AVX-512 forms (fp32 or quantized): how verify windows ran before those forms;
     "block": as now, but int8 quantized products on the block form (x rounded per 32 values, the
     pair form from 4 rows) instead of the group form; "group": the group form over the original layout
-    instead of the lanes (every form but "now" computes on the original layout)."""
+    instead of the lanes (every form but "now" and "vnni" computes on the original layout); "vnni": the
+    lanes without AMX's tiles (windows on vpdpbusd)."""
     before = form == "before"
     skinny_gemm.set_max_rows(8 if before else 64)
     skinny_gemm.set_wide_rows(0 if before else 2)
@@ -78,8 +80,10 @@ def use_forms(form: str) -> None:
     if ext is not None and hasattr(ext, "set_pair_rows"):
         ext.set_pair_rows(0 if before else 4)
     if ext is not None and hasattr(ext, "set_int8_group"):
-        ext.set_int8_group(form in ("now", "group"))
-    quantized_layers.set_lanes(form == "now")
+        ext.set_int8_group(form in ("now", "group", "vnni"))
+    if ext is not None and hasattr(ext, "set_amx"):
+        ext.set_amx(form == "now" and os.environ.get("MTP_SERVE_NO_AMX") != "1")
+    quantized_layers.set_lanes(form in ("now", "vnni"))
 
 
 def build(shape: str, body: str, both_layouts: bool = False):
@@ -158,7 +162,7 @@ def _out(p) -> int:
 
 def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
     t0 = pc()
-    model, text = build(shape, body, both_layouts=args.forms != ["now"])
+    model, text = build(shape, body, both_layouts=any(f not in ("now", "vnni") for f in args.forms))
     calibrate_blas_threads(model, Tok())
     print(f"[{shape} {body}] built and calibrated in {pc() - t0:.0f}s (skinny sgemm on: {skinny_gemm.enabled()})",
           flush=True)
@@ -195,8 +199,8 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--contexts", nargs="+", type=int, default=[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block", "group"],
-                    help="before / block / group: windows on the kernels' earlier forms too, side by side (use_forms)")
+    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block", "group", "vnni"],
+                    help="before / block / group / vnni: windows on the kernels' other forms too, side by side (use_forms)")
     args = ap.parse_args()
     load = os.getloadavg()
     bandwidth = stream_bandwidth()

@@ -40,19 +40,37 @@ def _lane_windows(bits, gs, dtype, seed):
     return alone, [(M, qmm_ext.qmm_lanes(x[:M], [lanes], gs, bits)[0]) for M in range(1, 65)]
 
 
-ISAS = ["avx512-vnni", "avx-vnni", "avx2"]
+ISAS = ["amx", "avx512-vnni", "avx-vnni", "avx2"]
+
+
+@contextmanager
+def amx_rows(rows):
+    """Windows of at least `rows` rows on AMX tiles, at 4 and 8 bits (0: never)."""
+    ext = qmm_ext.load()
+    before = ext.amx_rows(4), ext.amx_rows(8)
+    ext.set_amx_rows(rows)
+    try:
+        yield
+    finally:
+        ext.set_amx_rows(before[0], 4)
+        ext.set_amx_rows(before[1], 8)
 
 
 @contextmanager
 def instruction_set(isa):
-    """The int8 forms on AVX-512 VNNI, on AVX-VNNI (256-bit dpbusd) or on AVX2 alone."""
+    """The int8 forms on AMX tiles (windows of 2+ rows; one row on AVX-512 VNNI), on AVX-512 VNNI alone,
+    on AVX-VNNI (256-bit dpbusd) or on AVX2 alone."""
     ext = qmm_ext.load()
-    if isa == "avx512-vnni" and not ext.vnni_supported():
+    if isa in ("amx", "avx512-vnni") and not ext.vnni_supported():
         pytest.skip("no AVX-512 VNNI here")
+    if isa == "amx" and not ext.amx_supported():
+        pytest.skip("no AMX here (or the kernel did not grant its tile state)")
     if isa == "avx-vnni" and not ext.avx_vnni_supported():
         pytest.skip("no AVX-VNNI here")
-    with kernel_setting("vnni", isa == "avx512-vnni"), kernel_setting("avx_vnni", isa == "avx-vnni"):
-        assert ext.vnni() == (isa == "avx512-vnni") and ext.avx_vnni() == (isa == "avx-vnni")
+    with kernel_setting("vnni", isa in ("amx", "avx512-vnni")), kernel_setting("avx_vnni", isa == "avx-vnni"), \
+            kernel_setting("amx", isa == "amx"), amx_rows(2):
+        assert ext.vnni() == (isa in ("amx", "avx512-vnni")) and ext.avx_vnni() == (isa == "avx-vnni")
+        assert ext.amx() == (isa == "amx")
         yield
 
 

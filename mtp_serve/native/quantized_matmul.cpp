@@ -44,6 +44,8 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -505,6 +507,7 @@ SpanFn pick_pairs(int bits, int st, int gs) { return bits == 4 ? pick_pairs_st<4
 
 #include "qmm_group.inc"
 #include "qmm_lanes.inc"
+#include "qmm_amx.inc"
 
 // The int8 numerics' form: per group of W (qmm_group.inc, the default) or per block of 32 (the
 // forms above; benchmarks compare).
@@ -653,7 +656,9 @@ void compute(const float* x, long xrows, int K, int st, int gs, int bits, bool i
   if (group) prepg.build(x, xrows, K, gs, bits, !vnni && !dp && bits == 8);
   else if (int8) prep8.build(x, xrows, K, gs, bits, vnni);
   else prep.build(x, xrows, K, gs, bits);
-  const SpanFn fn = lanes  ? pick_lanes(bits, st, vnni, dp)
+  const bool amx = lanes && vnni && prepg.blk == 32 && amx_takes(bits, xrows);
+  const SpanFn fn = amx    ? pick_amx(bits, st, int(xrows))
+                    : lanes  ? pick_lanes(bits, st, vnni, dp)
                     : group  ? pick_group(bits, st, vnni, dp)
                     : !int8 ? pick(bits, st, gs)
                     : vnni  ? vnni::pick_pairs(bits, st, gs)
@@ -983,6 +988,14 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("set_avx_vnni", [](bool on) { avx_vnni_on = on && avx_vnni_supported(); });
   m.def("avx_vnni", [] { return avx_vnni_on; });
   m.def("vnni", [] { return vnni_on; });
+  m.def("amx_supported", &gamx::supported);
+  m.def("set_amx", [](bool on) { amx_on = on && gamx::supported(); }, "on"_a);
+  m.def("amx", [] { return amx_on; });
+  m.def("set_amx_rows", [](int rows, int bits) {
+    for (int b : {4, 8})
+      if (bits == 0 || bits == b) amx_min_rows[b == 8] = std::max(0, rows);
+  }, "rows"_a, "bits"_a = 0);
+  m.def("amx_rows", [](int bits) { return amx_min_rows[bits == 8]; }, "bits"_a);
   m.def("set_pair_rows", [](int rows) { vnni::pair_min_rows = std::max(0, rows); }, "rows"_a);
   m.def("pair_rows", [] { return vnni::pair_min_rows; });
   m.def("set_int8_group", [](bool on) { int8_group = on; }, "on"_a);
