@@ -35,7 +35,7 @@ One policy serves one row and many: a single stream is a batch of one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .context_drafts import MIN_COPY
 from .sequence import Sequence, ema_update
@@ -103,6 +103,13 @@ class DepthPolicy:
     # Window bucket -> cost in plain steps measured by mtp-tune (engine/window_costs.py): a
     # bucket's copy rounds are costed from it until the bucket is measured here.
     window_prior: Dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def serving(cls, max_depth: int, fixed: bool, window_costs: Iterable[Tuple[int, float]] = ()) -> "DepthPolicy":
+        """The policy mtp-serve and mtp-generate run: `fixed` (--fixed-depth) also chooses copies
+        by expected tokens, not timing, so a run repeats exactly; copy windows start from
+        mtp-tune's `window_costs` (the model card's)."""
+        return cls(max_depth=max_depth, fixed=fixed, timed_copies=not fixed, window_prior=dict(window_costs))
 
     def request_cap(self, seq: Sequence) -> int:
         """The most a request ever drafts per round: its own limit within the server's."""

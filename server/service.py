@@ -109,9 +109,7 @@ class Service:
         prompt_cache = self._open_prompt_cache()
         self.engine = engine_factory(loaded.model, loaded.tokenizer, max_queue=config.max_queue, max_active=config.max_active,
                                      prefill_chunk=config.prefill_chunk, prompt_cache=prompt_cache,
-                                     policy=DepthPolicy(max_depth=config.mtp_depth, fixed=config.fixed_depth,
-                                                        timed_copies=not config.fixed_depth,
-                                                        window_prior=dict(loaded.card.window_costs)),
+                                     policy=DepthPolicy.serving(config.mtp_depth, config.fixed_depth, loaded.card.window_costs),
                                      copy_max=config.copy_max, pipeline=config.pipeline)
         self.chat = ChatFormat(loaded.tokenizer, loaded.card, chat_template=config.chat_template,
                                tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,

@@ -66,8 +66,7 @@ def main(argv=None) -> int:
     depth = 0 if args.no_mtp else (args.mtp_depth or lm.card.default_mtp_depth)
 
     text, ids, chunk = [], [], None
-    policy = DepthPolicy(max_depth=depth, fixed=args.fixed_depth, timed_copies=not args.fixed_depth,
-                         window_prior=dict(lm.card.window_costs))
+    policy = DepthPolicy.serving(depth, args.fixed_depth, lm.card.window_costs)
     for chunk in generate(lm.model, tok, prompt_ids, params, depth, policy=policy):
         ids += chunk.token_ids
         text.append(chunk.text)
