@@ -153,8 +153,8 @@ def load() -> Optional[ModuleType]:
                     _EXT = ext
                     if os.environ.get("MTP_SERVE_NO_VNNI") == "1":
                         ext.set_vnni(False)  # the AVX2 form (the same bits, slower 8-bit windows)
-                    if hasattr(ext, "set_amx"):  # windows of 2+ rows on AMX tiles where the CPU has them (the same bits)
-                        ext.set_amx(os.environ.get("MTP_SERVE_NO_AMX") != "1")
+                    # windows of 2+ rows on AMX tiles where the CPU has them (the same bits)
+                    ext.set_amx(os.environ.get("MTP_SERVE_NO_AMX") != "1")
                     if os.environ.get("MTP_SERVE_NO_AVX_VNNI") == "1":
                         ext.set_avx_vnni(False)  # AVX2's maddubs/madd instead of AVX-VNNI (the same bits)
                     user = os.environ.get("OPENBLAS_NUM_THREADS", "")
@@ -183,7 +183,7 @@ def _kernel_line() -> str:
     vnni = ""
     if numerics() == "int8":
         vnni = " on AVX-512 VNNI" if _EXT.vnni() else " on AVX-VNNI" if _EXT.avx_vnni() else ""
-        if _EXT.vnni() and getattr(_EXT, "amx", lambda: False)():
+        if _EXT.vnni() and _EXT.amx():
             vnni += " (windows on AMX)"
     return f"quantized decode matmuls (up to 64 rows): mtp-serve's kernel, {numerics()} numerics{vnni}"
 

@@ -289,7 +289,7 @@ DEMO_OUTPUT_CAP = 256
 
 
 def test_opencode_two_turns_demo_model(demo_server, tmp_path):
-    """With the session's title given, so opencode sends no title request: the demo model answers
+    """With a title given (`opencode run --title`), so opencode sends no title request: the demo model answers
     that 841-token request with thousands of tokens beside the first turn. The synthetic tests
     above send it (and cancel it). opencode's output budget is its own variable (DEMO_OUTPUT_CAP):
     the 32,000 it sends by default, lowered by the server, runs the synthetic tests above."""
