@@ -3,7 +3,7 @@
 // loaded as fp32, an eval's outputs claimed, inputs read row-major whatever their strides, and
 // gradients from MLX's reference computation.
 // Included inside each source's own namespace, after <immintrin.h>, <cstdint>, <cstring>,
-// <stdexcept> and MLX's headers.
+// <stdexcept>, <vector> and MLX's headers.
 #pragma once
 
 enum ScaleType { F32 = 0, BF16 = 1, F16 = 2 };
@@ -21,6 +21,23 @@ inline float ld1(const void* p, long i) {
     return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
   }
 }
+
+// A kernel's scratch memory, 64-byte aligned: heap vectors (and MLX's arrays) are 8 or 16 bytes past a
+// line, and a 64-byte vector or tile row that straddles two lines costs two (AMX windows at 4 bits took
+// 1.5x as long on buffers 8 bytes off a line, measured).
+template <class T>
+class Aligned64 {
+ public:
+  T* data() { return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw_.data()) + 63) & ~uintptr_t(63)); }
+  // At least n elements (their values undefined).
+  T* reserve(size_t n) {
+    if (raw_.size() < n * sizeof(T) + 64) raw_.resize(n * sizeof(T) + 64);
+    return data();
+  }
+
+ private:
+  std::vector<unsigned char> raw_;
+};
 
 inline int scale_type(mx::Dtype d) {
   if (d == mx::float32) return F32;
