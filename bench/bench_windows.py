@@ -20,7 +20,8 @@ of more than 8 rows on OpenBLAS, no AVX-512 forms) on the same model, and the ra
 `--forms now block`: int8 quantized products on the block form (x rounded per 32 values) instead;
 `--forms now group`: on the group form over the checkpoint's layout (each block of W transposed and
 unpacked per call) instead of the lane layout repacked at load (the model then holds both layouts);
-`--forms now vnni`: the lanes with every product on vpdpbusd (AMX off, where the CPU has AMX).
+`--forms now vnni`: the lanes with every product on vpdpbusd (AMX off, where the CPU has AMX);
+`--forms now noprefetch`: the lanes without the software prefetch of the weights ahead of each read.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ def use_forms(form: str) -> None:
     if ext is not None and hasattr(ext, "set_pair_rows"):
         ext.set_pair_rows(0 if before else 4)
     if ext is not None and hasattr(ext, "set_int8_group"):
-        ext.set_int8_group(form in ("now", "group", "vnni"))
+        ext.set_int8_group(form in ("now", "group", "vnni", "noprefetch"))
     if ext is not None and hasattr(ext, "set_amx"):
-        ext.set_amx(form == "now" and os.environ.get("MTP_SERVE_NO_AMX") != "1")
-    quantized_layers.set_lanes(form in ("now", "vnni"))
+        ext.set_amx(form in ("now", "noprefetch") and os.environ.get("MTP_SERVE_NO_AMX") != "1")
+    if ext is not None and hasattr(ext, "set_prefetch_distance"):
+        ext.set_prefetch_distance(0 if form == "noprefetch" else 4096)
+    quantized_layers.set_lanes(form in ("now", "vnni", "noprefetch"))
 
 
 def build(shape: str, body: str, both_layouts: bool = False):
@@ -162,7 +165,7 @@ def _out(p) -> int:
 
 def run(shape: str, body: str, args, bandwidth: float, peak: float) -> None:
     t0 = pc()
-    model, text = build(shape, body, both_layouts=any(f not in ("now", "vnni") for f in args.forms))
+    model, text = build(shape, body, both_layouts=any(f not in ("now", "vnni", "noprefetch") for f in args.forms))
     calibrate_blas_threads(model, Tok())
     print(f"[{shape} {body}] built and calibrated in {pc() - t0:.0f}s (skinny sgemm on: {skinny_gemm.enabled()})",
           flush=True)
@@ -199,8 +202,8 @@ def main() -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--contexts", nargs="+", type=int, default=[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block", "group", "vnni"],
-                    help="before / block / group / vnni: windows on the kernels' other forms too, side by side (use_forms)")
+    ap.add_argument("--forms", nargs="+", default=["now"], choices=["now", "before", "block", "group", "vnni", "noprefetch"],
+                    help="before / block / group / vnni / noprefetch: windows on the kernels' other forms too, side by side (use_forms)")
     args = ap.parse_args()
     load = os.getloadavg()
     bandwidth = stream_bandwidth()
