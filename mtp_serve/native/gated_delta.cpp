@@ -160,8 +160,8 @@ class GatedDeltaSteps : public mx::Primitive {
       jb.beta = in[4].get<float>(), jb.state = in[5].get<float>(), jb.mask = masked ? in[6].get<bool>() : nullptr;
       const long blocks = jb.Dv / 8, tasks = jb.B * jb.Hv * blocks;
       auto part = [&](int p, int parts) {
-        std::vector<float> buf(size_t(16) * jb.Dk + 8);
-        float* s = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~uintptr_t(31));
+        Aligned64<float> buf;
+        float* s = buf.reserve(size_t(16) * jb.Dk);
         for (long t = tasks * p / parts; t < tasks * (p + 1) / parts; t++) {
           const long bh = t / blocks;
           block(jb, bh / jb.Hv, bh % jb.Hv, (t % blocks) * 8, s, s + 8 * jb.Dk);
