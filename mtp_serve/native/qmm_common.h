@@ -23,8 +23,9 @@ inline float ld1(const void* p, long i) {
 }
 
 // A kernel's scratch memory, 64-byte aligned: heap vectors (and MLX's arrays) are 8 or 16 bytes past a
-// line, and a 64-byte vector or tile row that straddles two lines costs two (AMX windows at 4 bits took
-// 1.5x as long on buffers 8 bytes off a line, measured).
+// line, and a 64-byte vector or tile row that straddles two lines costs two (measured: an AMX block as
+// the windows pipeline it took 1.5x as long with its operands 8 bytes off a line, bench/amx_tiles.c;
+// the 4-bit AMX products 1.08-1.2x).
 template <class T>
 class Aligned64 {
  public:
