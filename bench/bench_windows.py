@@ -46,6 +46,7 @@ from mtp_serve.engine.warmup import calibrate_blas_threads
 from mtp_serve.engine.window_costs import prefilled_cache, time_window
 
 PROMPT_AT_ZERO = 16
+_DEFAULT_PREFETCH: dict = {}  # the kernel's prefetch distance as loaded, restored after "noprefetch"
 
 
 def peak_fma_per_s(seconds: float = 0.3) -> float:
@@ -78,14 +79,12 @@ def use_forms(form: str) -> None:
     skinny_gemm.set_max_rows(8 if before else 64)
     skinny_gemm.set_wide_rows(0 if before else 2)
     ext = qmm_ext.load()
-    if ext is not None and hasattr(ext, "set_pair_rows"):
+    if ext is not None:
         ext.set_pair_rows(0 if before else 4)
-    if ext is not None and hasattr(ext, "set_int8_group"):
         ext.set_int8_group(form in ("now", "group", "vnni", "noprefetch"))
-    if ext is not None and hasattr(ext, "set_amx"):
         ext.set_amx(form in ("now", "noprefetch") and os.environ.get("MTP_SERVE_NO_AMX") != "1")
-    if ext is not None and hasattr(ext, "set_prefetch_distance"):
-        ext.set_prefetch_distance(0 if form == "noprefetch" else 4096)
+        _DEFAULT_PREFETCH.setdefault("bytes", ext.prefetch_distance())
+        ext.set_prefetch_distance(0 if form == "noprefetch" else _DEFAULT_PREFETCH["bytes"])
     quantized_layers.set_lanes(form in ("now", "vnni", "noprefetch"))
 
 

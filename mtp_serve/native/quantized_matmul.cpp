@@ -992,6 +992,7 @@ NB_MODULE(_mtp_qmm, m) {
   m.def("set_amx", [](bool on) { amx_on = on && gamx::supported(); }, "on"_a);
   m.def("amx", [] { return amx_on; });
   m.def("set_prefetch_distance", [](long bytes) { gvnni::prefetch_distance = bytes; }, "bytes"_a);
+  m.def("prefetch_distance", [] { return gvnni::prefetch_distance; });
   m.def("set_amx_rows", [](int rows, int bits) {
     for (int b : {4, 8})
       if (bits == 0 || bits == b) amx_min_rows[b == 8] = std::max(0, rows);
