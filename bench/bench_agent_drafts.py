@@ -29,7 +29,9 @@ to MTP alone, tokens per round with all sources and with MTP alone, the share of
 each source drafted, the tokens all sources drafted by copying (landed or not), and the share of
 all sources' decode time spent choosing copies (the index lookup and the length): with nothing
 to copy, that and the copy rounds are all that separates all sources from MTP alone. Random-weight models have Qwen3.5's 0.8B / 2B shapes and vocabulary (fp32, or a 4-bit
-body with `-q4`); the traces' token ids come from the demo model's tokenizer (all below 4,096).
+body with `-q4`, whose head is quantized as the body and drafts from the 16,384 most frequent tokens, as
+`mtp-graft` chooses for these shapes by default); the traces' token ids come from the demo model's
+tokenizer (all below 4,096).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from mtp_serve.engine.speculative import Accepted
 MODES = ("plain", "mtp", "copy", "all", "by_tokens")
 DEPTH = 3
 ACCEPTANCE = 0.8
+DEFAULT_DRAFT_VOCAB = 16384  # what mtp-graft's defaults choose beside a 4-bit body of these shapes (quantized.md)
 
 
 # ---------------------------------------------------------------- traces
@@ -225,6 +228,7 @@ def load(name: str):
         from bench_quantized import quantized_model
 
         model, _ = quantized_model(name[:-3], 4)
+        model.use_draft_vocab(list(range(DEFAULT_DRAFT_VOCAB)))
     else:
         model = random_mtp_model(SHAPES[name](QWEN35_VOCAB))
     return type("LM", (), {"model": model, "tokenizer": Tok()})(), encode
