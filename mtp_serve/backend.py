@@ -63,9 +63,10 @@ def openblas_coretype(flags: frozenset) -> str | None:
     """The OpenBLAS kernels (OPENBLAS_CORETYPE) for a CPU with these feature flags, or None to let
     OpenBLAS choose. OpenBLAS picks its kernels from a table of CPU models, and a model newer than
     its release falls back to SSE3 ("Prescott"): Debian's 0.3.21 does so on this project's Sapphire
-    Rapids machines (CPU model 207), where a 1024 x 3584 x 1024 sgemm then takes 3.4x as long as on
-    its AVX-512 kernels (docs/architecture.md, "The CPU kernels"). The choice goes by features instead: "SkylakeX" (the
-    AVX-512 sgemm that OpenBLAS itself uses on every AVX-512 CPU it knows), "Haswell" (AVX2 and FMA)."""
+    Rapids machines (CPU model 207), where a 1024 x 3584 x 1024 sgemm then takes 3-9x as long as on
+    its AVX-512 kernels (docs/architecture.md, "The CPU kernels"). The choice goes by features
+    instead: "SkylakeX" (the AVX-512 sgemm OpenBLAS itself uses on the AVX-512 CPUs it knows),
+    "Haswell" (AVX2 and FMA)."""
     if AVX512_CORE <= flags:
         return "SkylakeX"
     if {"avx2", "fma"} <= flags:
