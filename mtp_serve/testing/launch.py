@@ -175,7 +175,13 @@ class LaunchedServer(Loopback):
         else:
             self.stop()
             raise RuntimeError(f"the ranks did not start serving in {timeout:.0f}s:\n{self.output[-4000:]}")
-        self.pids = {int(r): int(p) for r, _, p in REPORT_LINE.findall(self.output)}
+        # The launcher relays the ranks' start-up lines at low priority: on a busy machine rank 0 can
+        # serve before its line has reached the log.
+        while True:
+            self.pids = {int(r): int(p) for r, _, p in REPORT_LINE.findall(self.output)}
+            if len(self.pids) == self.ranks or time.time() > deadline:
+                break
+            time.sleep(0.2)
         if len(self.pids) != self.ranks:
             raise RuntimeError(f"the start-up report names ranks {sorted(self.pids)}:\n{self.output[-4000:]}")
         return self
