@@ -158,6 +158,10 @@ class LaunchedServer(Loopback):
     def output(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
 
+    def reported_pids(self) -> Dict[int, int]:
+        """Rank -> PID, from the start-up lines the launcher has relayed so far."""
+        return {int(r): int(p) for r, _, p in REPORT_LINE.findall(self.output)}
+
     def start(self, timeout: float = 240.0) -> "LaunchedServer":
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self._log,
                                         stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
@@ -178,7 +182,7 @@ class LaunchedServer(Loopback):
         # The launcher relays the ranks' start-up lines at low priority: on a busy machine rank 0 can
         # serve before its line has reached the log.
         while True:
-            self.pids = {int(r): int(p) for r, _, p in REPORT_LINE.findall(self.output)}
+            self.pids = self.reported_pids()
             if len(self.pids) == self.ranks or time.time() > deadline:
                 break
             time.sleep(0.2)
@@ -201,7 +205,7 @@ class LaunchedServer(Loopback):
         """Stop as an operator would: SIGTERM to rank 0 (it tells the others to stop)."""
         if self.process is None or self.process.poll() is not None:
             return
-        self.pids = self.pids or {int(r): int(p) for r, _, p in REPORT_LINE.findall(self.output)}
+        self.pids = self.pids or self.reported_pids()
         _signal(self.pids.get(0), signal.SIGTERM)
         if self.wait(timeout) is None:  # the launcher and every rank
             _kill_group(self.process)
