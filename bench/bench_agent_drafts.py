@@ -186,8 +186,9 @@ def choice_timer(spent: list):
 def replay(lm, cache, context, reply, mode: str) -> dict:
     """One teacher-forced decode of `reply` after `context`; the head's drafts at oracle acceptance."""
     depth = 0 if mode == "plain" else DEPTH
+    # Copy lengths by the measured window costs, as the server chooses them.
     policy = (ByTokens if mode == "by_tokens" else DepthPolicy)(max_depth=0 if mode in ("plain", "copy") else DEPTH,
-                                                                 fixed=True)
+                                                                 fixed=True, timed_copies=True)
     # Pipelined plain rounds off: their accept step is not the round's, which the trace replaces
     # (on the CPU they decode no faster: bench_pipeline.py).
     sched = Scheduler(lm.model, lm.tokenizer, max_batch_size=1, prefill_chunk=1024, prompt_cache=cache, policy=policy,

@@ -90,7 +90,8 @@ class DepthPolicy:
     fixed: bool = False  # every row drafts its cap (tests, benchmarks)
     # Copy lengths from measured window costs; False: every copy a row is expected to emit more
     # from than from the head (no choice follows timing, so a run repeats exactly, chunks included).
-    timed_copies: bool = True
+    # None: timed unless `fixed` (a fixed policy's rounds never depend on the machine's speed).
+    timed_copies: Optional[bool] = None
     round_time: Dict[Tuple[int, int, int], float] = field(default_factory=dict)  # (batch, context, K) -> seconds
     samples: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # rounds seen, the warm-up one included
     last_round: Dict[Tuple[int, int, int], int] = field(default_factory=dict)  # bucket round count when last run
@@ -109,7 +110,11 @@ class DepthPolicy:
         """The policy mtp-serve and mtp-generate run: `fixed` (--fixed-depth) also chooses copies
         by expected tokens, not timing, so a run repeats exactly; copy windows start from
         mtp-tune's `window_costs` (the model card's)."""
-        return cls(max_depth=max_depth, fixed=fixed, timed_copies=not fixed, window_prior=dict(window_costs))
+        return cls(max_depth=max_depth, fixed=fixed, window_prior=dict(window_costs))
+
+    def __post_init__(self) -> None:
+        if self.timed_copies is None:
+            self.timed_copies = not self.fixed
 
     def request_cap(self, seq: Sequence) -> int:
         """The most a request ever drafts per round: its own limit within the server's."""

@@ -224,10 +224,11 @@ def test_copies_off_per_request_and_per_scheduler(loaded):
     assert off.copy_drafted == 0 and none.copy_drafted == 0 and on.copy_drafted > 0
 
 
-def run_measured(lm, prompt, copy_ms: float):
+def run_measured(lm, prompt, copy_ms: float, **policy_options):
     """Tokens and stats of one greedy request whose policy has measured the head's depth-2
-    round at 10 ms and every copy window at `copy_ms` (later rounds keep measuring)."""
-    policy = DepthPolicy(max_depth=2, fixed=True)
+    round at 10 ms and every copy window at `copy_ms` (later rounds keep measuring); the policy
+    at fixed depth with its copies timed unless `policy_options` say otherwise."""
+    policy = DepthPolicy(max_depth=2, **(policy_options or dict(fixed=True, timed_copies=True)))
     for w in (4, 8, 16, 32, 64):
         key = (1, 1024, w)
         policy.copy_time[key], policy.copy_samples[key], policy.copy_last[key] = copy_ms / 1e3, 10, 0
@@ -252,6 +253,19 @@ def test_copies_follow_the_measured_window_costs(loaded):
     slow, slow_stats = run_measured(lm, prompt, 10_000.0)
     assert fast == slow == plain(lm, prompt)
     assert fast_stats.copy_accepted > 0 and slow_stats.copy_drafted == 0 and sum(slow_stats.drafted) > 0
+
+
+def test_a_fixed_policy_copies_alike_however_the_windows_measured(loaded):
+    """A fixed-depth policy (tests, `--fixed-depth`) chooses copies by expected tokens alone,
+    so its rounds repeat exactly whatever the machine's speed: the same drafts and acceptance
+    with copy windows measured fast or slow."""
+    lm = loaded("qwen3_5", agreeable=True)
+    prompt = copying_prompt(lm)
+    fast, fast_stats = run_measured(lm, prompt, 0.001, fixed=True)
+    slow, slow_stats = run_measured(lm, prompt, 10_000.0, fixed=True)
+    assert fast == slow == plain(lm, prompt)
+    assert slow_stats.copy_drafted == fast_stats.copy_drafted > 0
+    assert slow_stats.accepted == fast_stats.accepted and slow_stats.copy_accepted == fast_stats.copy_accepted
 
 
 def test_matches_left_to_the_head_still_teach_the_row_how_its_copies_land(loaded):
