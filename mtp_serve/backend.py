@@ -56,12 +56,40 @@ GPU_WINDOWS_NOTE = (
 
 _OPENBLAS: ctypes.CDLL | None = None
 
+AVX512_CORE = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+
+
+def openblas_coretype(flags: frozenset) -> str | None:
+    """The OpenBLAS kernels (OPENBLAS_CORETYPE) for a CPU with these feature flags, or None to let
+    OpenBLAS choose. OpenBLAS picks its kernels from a table of CPU models, and a model newer than
+    its release falls back to SSE3 ("Prescott"): Debian's 0.3.21 does so on this project's Sapphire
+    Rapids machines (CPU model 207), where a 1024 x 3584 x 1024 sgemm then takes 3-9x as long as on
+    its AVX-512 kernels (docs/architecture.md, "The CPU kernels"). The choice goes by features
+    instead: "SkylakeX" (the AVX-512 sgemm OpenBLAS itself uses on the AVX-512 CPUs it knows),
+    "Haswell" (AVX2 and FMA)."""
+    if AVX512_CORE <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def openblas_corename() -> str:
+    """The kernels the preloaded OpenBLAS runs ("" when none is loaded)."""
+    if _OPENBLAS is None or not hasattr(_OPENBLAS, "openblas_get_corename"):
+        return ""
+    _OPENBLAS.openblas_get_corename.restype = ctypes.c_char_p
+    return (_OPENBLAS.openblas_get_corename() or b"").decode()
+
 
 def _preload_openblas() -> str:
     global _OPENBLAS
     if sys.platform != "linux" or os.environ.get("MTP_SERVE_NO_OPENBLAS") == "1":
         return ""
     paths = [os.environ["MTP_SERVE_OPENBLAS"]] if os.environ.get("MTP_SERVE_OPENBLAS") else []
+    core = openblas_coretype(skinny_gemm.cpu_flags())
+    if core and not os.environ.get("OPENBLAS_CORETYPE"):  # read by OpenBLAS as it loads; the user's setting wins
+        os.environ["OPENBLAS_CORETYPE"] = core
     for path in paths + list(OPENBLAS_CANDIDATES):
         if os.path.exists(path):
             shim = skinny_gemm.load_before_openblas()  # first in the global scope: MLX's sgemm calls reach it
@@ -153,7 +181,7 @@ def setup_backend() -> Backend:
     if device == "gpu":
         note = "MLX GPU backend, bf16 compute"
     elif blas:
-        note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas}"
+        note = f"MLX CPU backend, fp32 compute, OpenBLAS preloaded from {blas} ({openblas_corename()} kernels)"
         if skinny_gemm.active():
             note += " (decode-sized products on weights of 4 MB or more: mtp-serve's skinny sgemm"
             if skinny_gemm.row_invariant():

@@ -31,14 +31,18 @@ _LIB: Optional[ctypes.CDLL] = None
 DEFAULT_MIN_ELEMENTS = 1 << 20
 
 
-def _cpu_has_avx2_fma() -> bool:
+def cpu_flags() -> frozenset:
+    """The x86-64 CPU's feature flags as Linux lists them (empty elsewhere)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return frozenset()
     try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+        return frozenset(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def _cache_dir() -> Path:
